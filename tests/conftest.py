@@ -12,6 +12,13 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 
+def pytest_sessionstart(session):
+  """With JAX_MOE_A2A_REQUIRE_EXTENSION=1 (CI sets it) a missing extension fails the run instead of skipping."""
+  from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
+  if os.environ.get("JAX_MOE_A2A_REQUIRE_EXTENSION") == "1" and not _ffi.available():
+    _ffi.extension()  # raises, saying why and how to build it
+
+
 def pytest_collection_modifyitems(config, items):
   has_gpu = any(d.platform == "gpu" for d in jax.devices())
   skip = pytest.mark.skip(reason="needs a CUDA GPU (set JAX_MOE_A2A_TEST_GPU=1 on a GPU machine)")

@@ -1,0 +1,68 @@
+"""Shared by the benchmark scripts: timing as METHOD.md asks, and result files with their provenance."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_per_call(fn: Callable[..., Any], input_sets: Sequence[tuple], *, calls_per_run: int, warmup: int = 3,
+                  runs: int = 20) -> dict[str, float]:
+  """Median and spread of wall time per call of `fn`, a jitted function that makes `calls_per_run` calls.
+
+  Each run takes the next input set in turn (fresh data, and more bytes than the L2 cache holds between two uses
+  of one set), blocks until the device is done, and divides by `calls_per_run`.
+  """
+  for i in range(warmup):
+    jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+  samples = []
+  for i in range(runs):
+    args = input_sets[i % len(input_sets)]
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append((time.perf_counter() - t0) / calls_per_run)
+  samples.sort()
+  return {"median_s": statistics.median(samples), "min_s": samples[0], "p90_s": samples[int(0.9 * (len(samples) - 1))],
+          "runs": runs, "calls_per_run": calls_per_run}
+
+
+def git_commit() -> str:
+  """HEAD of the checkout (+dirty), or $JAX_MOE_A2A_COMMIT where the copy has no git metadata."""
+  if os.environ.get("JAX_MOE_A2A_COMMIT"):
+    return os.environ["JAX_MOE_A2A_COMMIT"]
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return out.stdout.strip() + ("+dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def device_description() -> str:
+  devices = jax.devices()
+  return f"{len(devices)}x {devices[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None) -> str:
+  """Writes bench/results/<name>_<date>.json (or into out_dir) with command, commit, device and date."""
+  out_dir = out_dir or RESULTS_DIR
+  os.makedirs(out_dir, exist_ok=True)
+  now = datetime.datetime.now(datetime.timezone.utc)
+  record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": git_commit(),
+            "device": device_description(), "date": now.isoformat(timespec="seconds"), **payload}
+  path = os.path.join(out_dir, f"{name}_{now.strftime('%Y%m%d-%H%M%S')}.json")
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  return path

@@ -1,0 +1,200 @@
+// quant.cc -- handlers of jax_moe_a2a_quantize_fp8_blockwise (CPU, and CUDA when built with it).
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "common.h"
+#include "quant.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+#include "quant_kernels.cuh"
+#endif
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr char kOp[] = "jax_moe_a2a_quantize_fp8_blockwise";
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shape and dtype checks (shared by both platforms)
+// ---------------------------------------------------------------------------------------------------------------
+
+struct QuantShape {
+  int64_t m = 0;
+  int64_t k = 0;
+};
+
+ffi::Error CheckQuantize(const ffi::AnyBuffer& x, const ffi::Result<ffi::AnyBuffer>& x_q,
+                         const ffi::Result<ffi::Buffer<ffi::F32>>& x_sf, bool block_major_k, QuantShape* shape) {
+  const auto dt = x.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
+    return InvalidArg(kOp, "x", "bfloat16, float16 or float32", DataTypeName(dt));
+  }
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] % kGroup != 0) {
+    return InvalidArg(kOp, "x", "[M, K] with K % 128 == 0", DimsToString(dims));
+  }
+  shape->m = dims[0];
+  shape->k = dims[1];
+  const int64_t groups = shape->k / kGroup;
+  if (x_q->element_type() != ffi::DataType::F8E4M3FN) {
+    return InvalidArg(kOp, "x_q", "float8_e4m3fn", DataTypeName(x_q->element_type()));
+  }
+  const auto q_dims = x_q->dimensions();
+  if (q_dims.size() != 2 || q_dims[0] != shape->m || q_dims[1] != shape->k) {
+    return InvalidArg(kOp, "x_q", "[M, K] = " + DimsToString(dims), DimsToString(q_dims));
+  }
+  const auto sf_dims = x_sf->dimensions();
+  const int64_t want0 = block_major_k ? groups : shape->m;
+  const int64_t want1 = block_major_k ? shape->m : groups;
+  if (sf_dims.size() != 2 || sf_dims[0] != want0 || sf_dims[1] != want1) {
+    return InvalidArg(kOp, "x_sf", std::string(block_major_k ? "[K/128, M] = [" : "[M, K/128] = [") +
+                                       std::to_string(want0) + ", " + std::to_string(want1) + "]",
+                      DimsToString(sf_dims));
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// CPU
+// ---------------------------------------------------------------------------------------------------------------
+
+inline float Bf16ToFloat(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | ((112u - e) << 23) | ((mant & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename Load>
+void QuantizeRows(Load load, int64_t m, int64_t k, uint8_t* x_q, float* x_sf, bool block_major_k) {
+  const int64_t groups = k / kGroup;
+  float v[kGroup];
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t base = row * k + g * kGroup;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < kGroup; ++i) {
+        v[i] = load(base + i);
+        finite = finite && std::isfinite(v[i]);
+        amax = std::fmax(amax, std::fabs(v[i]));
+      }
+      float scale;
+      uint8_t* out = x_q + base;
+      if (finite) {
+        scale = std::fmax(amax, kAmaxFloor) * kInvE4m3Max;
+        for (int i = 0; i < kGroup; ++i) {
+          const float q = std::fmin(std::fmax(v[i] / scale, -kE4m3Max), kE4m3Max);
+          out[i] = FloatToE4m3(q);
+        }
+      } else {
+        std::memcpy(&scale, &kF32QuietNaN, sizeof(scale));
+        std::memset(out, kE4m3NaN, kGroup);
+      }
+      x_sf[block_major_k ? g * m + row : row * groups + g] = scale;
+    }
+  }
+}
+
+ffi::Error QuantizeFp8BlockwiseCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> x_q,
+                                       ffi::Result<ffi::Buffer<ffi::F32>> x_sf, bool block_major_k) {
+  QuantShape s;
+  if (auto err = CheckQuantize(x, x_q, x_sf, block_major_k, &s); err.failure()) return err;
+  auto* q = reinterpret_cast<uint8_t*>(x_q->untyped_data());
+  float* sf = x_sf->typed_data();
+  switch (x.element_type()) {
+    case ffi::DataType::BF16: {
+      const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
+      QuantizeRows([p](int64_t i) { return Bf16ToFloat(p[i]); }, s.m, s.k, q, sf, block_major_k);
+      break;
+    }
+    case ffi::DataType::F16: {
+      const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
+      QuantizeRows([p](int64_t i) { return F16ToFloat(p[i]); }, s.m, s.k, q, sf, block_major_k);
+      break;
+    }
+    default: {
+      const auto* p = reinterpret_cast<const float*>(x.untyped_data());
+      QuantizeRows([p](int64_t i) { return p[i]; }, s.m, s.k, q, sf, block_major_k);
+      break;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// CUDA
+// ---------------------------------------------------------------------------------------------------------------
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+ffi::Error QuantizeFp8BlockwiseCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                        ffi::Result<ffi::AnyBuffer> x_q,
+                                        ffi::Result<ffi::Buffer<ffi::F32>> x_sf, bool block_major_k) {
+  QuantShape s;
+  if (auto err = CheckQuantize(x, x_q, x_sf, block_major_k, &s); err.failure()) return err;
+  if (s.m == 0) return ffi::Error::Success();
+  InputType type = InputType::kF32;
+  if (x.element_type() == ffi::DataType::BF16) type = InputType::kBF16;
+  if (x.element_type() == ffi::DataType::F16) type = InputType::kF16;
+  // One process may drive several GPUs: launch with the stream's device current.
+  int current = -1;
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaGetDevice(&current));
+  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+  const cudaError_t launch = LaunchQuantizeFp8Blockwise(
+      stream, type, x.untyped_data(), reinterpret_cast<uint8_t*>(x_q->untyped_data()), x_sf->typed_data(), s.m,
+      s.k, block_major_k);
+  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(current));
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(launch);
+  return ffi::Error::Success();
+}
+#endif
+
+}  // namespace
+
+}  // namespace jax_moe_a2a
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu, jax_moe_a2a::QuantizeFp8BlockwiseCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // x
+                                  .Ret<xla::ffi::AnyBuffer>()             // x_q
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       // x_sf
+                                  .Attr<bool>("block_major_k"));                 // block_major_k
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda, jax_moe_a2a::QuantizeFp8BlockwiseCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x
+                                  .Ret<xla::ffi::AnyBuffer>()                // x_q
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // x_sf
+                                  .Attr<bool>("block_major_k"),                    // block_major_k
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif

@@ -1,0 +1,182 @@
+// quant_kernels.cu -- FP8 1x128 blockwise quantization on the GPU.
+//
+// NOTES:
+//   - The rule is quant.h's, bit for bit: scale by __fmul_rn, values by IEEE division (__fdiv_rn), clamp to +-448, hardware RNE conversion.
+//   - One group (128 values) is handled by kGroup / kVec consecutive threads, each loading 16 bytes; the group's
+//     amax is reduced with shuffles inside that lane segment. Every lane takes part in the shuffles, also lanes
+//     past the end (their loads and stores are skipped), so full-warp shuffle masks stay valid.
+//   - Groups are enumerated in the order of the scale layout (row-major [m, k/128] or block-major [k/128, m]),
+//     so the one thread per group that stores the scale writes consecutive addresses: coalesced either way.
+//   - Each thread keeps kUnroll independent 16-byte loads in flight before it computes.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "quant.h"
+#include "quant_kernels.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+template <typename T>
+__device__ __forceinline__ void Unpack(const uint4& raw, float* v);
+
+template <>
+__device__ __forceinline__ void Unpack<__nv_bfloat16>(const uint4& raw, float* v) {
+  const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void Unpack<__half>(const uint4& raw, float* v) {
+  const auto* p = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(p[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void Unpack<float>(const uint4& raw, float* v) {
+  v[0] = __uint_as_float(raw.x);
+  v[1] = __uint_as_float(raw.y);
+  v[2] = __uint_as_float(raw.z);
+  v[3] = __uint_as_float(raw.w);
+}
+
+__device__ __forceinline__ uint4 LoadStreaming(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreBytes(uint8_t* dst, const uint8_t* bytes);
+
+template <>
+__device__ __forceinline__ void StoreBytes<8>(uint8_t* dst, const uint8_t* bytes) {
+  *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(bytes);
+}
+
+template <>
+__device__ __forceinline__ void StoreBytes<4>(uint8_t* dst, const uint8_t* bytes) {
+  *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(bytes);
+}
+
+template <typename T, bool kBlockMajorK>
+__global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* __restrict__ x,
+                                                                       uint8_t* __restrict__ x_q,
+                                                                       float* __restrict__ x_sf, int64_t m,
+                                                                       int64_t groups_per_row) {
+  constexpr int kVec = 16 / sizeof(T);       // values per 16-byte load
+  constexpr int kLanes = kGroup / kVec;      // threads per group: 16 (2-byte input) or 32 (float32)
+  constexpr int kGroupsPerPass = kThreads / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t num_groups = m * groups_per_row;
+  const int64_t k = groups_per_row * kGroup;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGroupsPerPass * kUnroll + threadIdx.x / kLanes;
+
+  uint4 raw[kUnroll];
+  int64_t offset[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t f = first + static_cast<int64_t>(u) * kGroupsPerPass;
+    const int64_t row = kBlockMajorK ? f % m : f / groups_per_row;
+    const int64_t g = kBlockMajorK ? f / m : f % groups_per_row;
+    offset[u] = row * k + g * kGroup + lane * kVec;
+    raw[u] = f < num_groups ? LoadStreaming(x + offset[u]) : make_uint4(0, 0, 0, 0);
+  }
+
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t f = first + static_cast<int64_t>(u) * kGroupsPerPass;
+    float v[kVec];
+    Unpack<T>(raw[u], v);
+    float amax = 0.0f;
+    int finite = 1;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      finite &= isfinite(v[i]) ? 1 : 0;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
+    }
+    if (f >= num_groups) continue;
+    uint8_t bytes[kVec];
+    float scale;
+    if (finite) {
+      scale = __fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max);
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2) {
+        float2 q;
+        q.x = fminf(fmaxf(__fdiv_rn(v[i], scale), -kE4m3Max), kE4m3Max);
+        q.y = fminf(fmaxf(__fdiv_rn(v[i + 1], scale), -kE4m3Max), kE4m3Max);
+        const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+        bytes[i] = static_cast<uint8_t>(pair & 0xFF);
+        bytes[i + 1] = static_cast<uint8_t>(pair >> 8);
+      }
+    } else {
+      scale = __uint_as_float(kF32QuietNaN);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) bytes[i] = kE4m3NaN;
+    }
+    StoreBytes<kVec>(x_q + offset[u], bytes);
+    if (lane == 0) x_sf[f] = scale;  // f is the scale's index in either layout
+  }
+}
+
+template <typename T>
+cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf, int64_t m, int64_t k,
+                   bool block_major_k) {
+  constexpr int kLanes = kGroup / (16 / sizeof(T));
+  constexpr int64_t kGroupsPerBlock = static_cast<int64_t>(kThreads / kLanes) * kUnroll;
+  const int64_t groups_per_row = k / kGroup;
+  const int64_t blocks = (m * groups_per_row + kGroupsPerBlock - 1) / kGroupsPerBlock;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const auto* xt = static_cast<const T*>(x);
+  if (block_major_k) {
+    QuantizeFp8BlockwiseKernel<T, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        xt, x_q, x_sf, m, groups_per_row);
+  } else {
+    QuantizeFp8BlockwiseKernel<T, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        xt, x_q, x_sf, m, groups_per_row);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, const void* x, uint8_t* x_q,
+                                       float* x_sf, int64_t m, int64_t k, bool block_major_k) {
+  switch (type) {
+    case InputType::kBF16:
+      return Launch<__nv_bfloat16>(stream, x, x_q, x_sf, m, k, block_major_k);
+    case InputType::kF16:
+      return Launch<__half>(stream, x, x_q, x_sf, m, k, block_major_k);
+    case InputType::kF32:
+      return Launch<float>(stream, x, x_q, x_sf, m, k, block_major_k);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_moe_a2a

@@ -1,0 +1,104 @@
+"""The FP8 1x128 quantization custom call against its pure-JAX twin: bit for bit, on CPU and on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe_a2a import _ffi, quant
+
+pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+def _wide_range(rng, m, k, dtype):
+  """Random rows whose groups span many binades, so scales and E4M3 subnormals are all exercised."""
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  x *= np.exp2(rng.integers(-30, 30, size=(m, k // 128, 1))).repeat(128, axis=-1).reshape(m, k)
+  x[:, :7] = 0.0  # a few exact zeros and a negative zero
+  x[:, 3] = -0.0
+  return jnp.asarray(x, dtype)
+
+
+def _assert_same(x, block_major_k):
+  q_ffi, sf_ffi = jax.jit(lambda x: quant.quantize_fp8_blockwise(x, block_major_k=block_major_k, impl="ffi"))(x)
+  q_ref, sf_ref = jax.jit(
+      lambda x: quant.quantize_fp8_blockwise(x, block_major_k=block_major_k, impl="reference"))(x)
+  assert q_ffi.dtype == jnp.float8_e4m3fn and sf_ffi.dtype == jnp.float32
+  assert q_ffi.shape == q_ref.shape and sf_ffi.shape == sf_ref.shape
+  np.testing.assert_array_equal(_bits(q_ffi), _bits(q_ref))
+  np.testing.assert_array_equal(_bits(sf_ffi), _bits(sf_ref))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("block_major_k", [False, True])
+@pytest.mark.parametrize("m,k", [(1, 128), (37, 384), (256, 1024)])
+def test_ffi_equals_twin(dtype, block_major_k, m, k):
+  rng = np.random.default_rng(m * 7 + k)
+  x = _wide_range(rng, m, k, dtype)
+  if dtype == jnp.float16:
+    x = jnp.clip(x, -60000, 60000)
+  _assert_same(x, block_major_k)
+
+
+@pytest.mark.parametrize("block_major_k", [False, True])
+def test_ffi_non_finite_groups(block_major_k):
+  x = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
+  x[0, 5] = np.nan
+  x[1, 130] = np.inf
+  x[2, 511] = -np.inf
+  _assert_same(jnp.asarray(x, jnp.bfloat16), block_major_k)
+  q, sf = quant.quantize_fp8_blockwise(jnp.asarray(x, jnp.bfloat16), impl="ffi")
+  assert np.isnan(np.asarray(sf)[[0, 1, 2], [0, 1, 3]]).all()
+  assert np.isfinite(np.asarray(sf)[0, 1:]).all()
+
+
+def test_ffi_empty_rows():
+  q, sf = quant.quantize_fp8_blockwise(jnp.zeros((0, 256), jnp.bfloat16), block_major_k=True, impl="ffi")
+  assert q.shape == (0, 256) and sf.shape == (2, 0)
+
+
+def test_ffi_under_shard_map():
+  """Each device quantizes its own rows; the custom call runs on every simulated device."""
+  mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+  m = 8 * len(jax.devices())
+  x = _wide_range(np.random.default_rng(2), m, 256, jnp.bfloat16)
+  spec = jax.sharding.PartitionSpec("x")
+  f = jax.shard_map(lambda x: quant.quantize_fp8_blockwise(x, impl="ffi"), mesh=mesh, in_specs=spec,
+                    out_specs=(spec, spec))
+  q, sf = jax.jit(f)(x)
+  q_ref, sf_ref = quant.quantize_fp8_blockwise(x, impl="reference")
+  np.testing.assert_array_equal(_bits(q), _bits(q_ref))
+  np.testing.assert_array_equal(_bits(sf), _bits(sf_ref))
+
+
+def test_ffi_rejects_bad_input_before_the_call():
+  with pytest.raises(ValueError, match="K % 128"):
+    quant.quantize_fp8_blockwise(jnp.zeros((4, 100), jnp.bfloat16), impl="ffi")
+  with pytest.raises(TypeError, match="int32"):
+    quant.quantize_fp8_blockwise(jnp.zeros((4, 128), jnp.int32), impl="ffi")
+
+
+def test_cpp_handler_checks_shapes_when_reached():
+  """Called directly with a scale shape that does not match, the handler itself returns a clear error."""
+  x = jnp.zeros((4, 256), jnp.bfloat16)
+  bad = (jax.ShapeDtypeStruct((4, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4, 3), jnp.float32))
+  with pytest.raises(Exception, match=r"x_sf must be \[M, K/128\] = \[4, 2\], got \[4, 3\]"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", bad, x, block_major_k=False))
+  bad_dtype = (jax.ShapeDtypeStruct((4, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4, 2), jnp.float32))
+  with pytest.raises(Exception, match="x must be bfloat16, float16 or float32, got int32"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", bad_dtype, jnp.zeros((4, 256), jnp.int32),
+                                        block_major_k=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_major_k", [False, True])
+def test_gpu_large_bit_exact(block_major_k):
+  """On a GPU: DeepSeek-V3 hidden size, many rows, the CUDA kernel against the twin compiled by XLA for the GPU."""
+  assert jax.default_backend() == "gpu"
+  x = _wide_range(np.random.default_rng(3), 4099, 7168, jnp.bfloat16)
+  _assert_same(x, block_major_k)
