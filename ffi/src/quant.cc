@@ -110,8 +110,9 @@ void QuantizeRows(Load load, int64_t m, int64_t k, uint8_t* x_q, float* x_sf, bo
       uint8_t* out = x_q + base;
       if (finite) {
         scale = std::fmax(amax, kAmaxFloor) * kInvE4m3Max;
+        const float inv_scale = 1.0f / scale;
         for (int i = 0; i < kGroup; ++i) {
-          const float q = std::fmin(std::fmax(v[i] / scale, -kE4m3Max), kE4m3Max);
+          const float q = std::fmin(std::fmax(v[i] * inv_scale, -kE4m3Max), kE4m3Max);
           out[i] = FloatToE4m3(q);
         }
       } else {

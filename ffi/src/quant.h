@@ -2,12 +2,13 @@
 //
 // NOTES: this is the exact rule of quant._jax_quantize_fp8_blockwise; the three must agree bit for bit.
 //   For each group g of kGroup consecutive values of a row (values upcast to float32):
-//     amax  = max |x|                                     (exact)
-//     scale = max(amax, kAmaxFloor) * kInvE4m3Max         (float32 multiply by float32(1/448); XLA rewrites a
-//                                                          division by a constant into this, so we define it so)
-//     q     = e4m3_rne(clamp(x / scale, -kE4m3Max, kE4m3Max))   (IEEE float32 division)
+//     amax  = max |x|                                          (exact)
+//     scale = max(amax, kAmaxFloor) * kInvE4m3Max              (one float32 multiplication)
+//     q     = e4m3_rne(clamp(x * (1 / scale), -448, 448))      (IEEE reciprocal, one multiplication)
 //   A group whose amax is not finite (it holds NaN or +-inf) gets q = 0x7F (E4M3 NaN) for every value and
 //   scale = the canonical float32 quiet NaN (0x7FC00000).
+//   The rule uses only operations that XLA compiles as written (it turns a division by a constant or by a
+//   broadcast into a multiplication by the reciprocal), so the twin, this handler and the kernel agree.
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,8 @@
 // quant_kernels.cu -- FP8 1x128 blockwise quantization on the GPU.
 //
 // NOTES:
-//   - The rule is quant.h's, bit for bit: scale by __fmul_rn, values by IEEE division (__fdiv_rn), clamp to +-448, hardware RNE conversion.
+//   - The rule is quant.h's, bit for bit: scale by __fmul_rn, reciprocal by __frcp_rn (IEEE), values by
+//     __fmul_rn, clamp to +-448, hardware round-to-nearest-even conversion.
 //   - One group (128 values) is handled by kGroup / kVec consecutive threads, each loading 16 bytes; the group's
 //     amax is reduced with shuffles inside that lane segment. Every lane takes part in the shuffles, also lanes
 //     past the end (their loads and stores are skipped), so full-warp shuffle masks stay valid.
@@ -125,11 +126,12 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
     float scale;
     if (finite) {
       scale = __fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max);
+      const float inv_scale = __frcp_rn(scale);
 #pragma unroll
       for (int i = 0; i < kVec; i += 2) {
         float2 q;
-        q.x = fminf(fmaxf(__fdiv_rn(v[i], scale), -kE4m3Max), kE4m3Max);
-        q.y = fminf(fmaxf(__fdiv_rn(v[i + 1], scale), -kE4m3Max), kE4m3Max);
+        q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -kE4m3Max), kE4m3Max);
+        q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -kE4m3Max), kE4m3Max);
         const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
         bytes[i] = static_cast<uint8_t>(pair & 0xFF);
         bytes[i + 1] = static_cast<uint8_t>(pair >> 8);

@@ -1,0 +1,718 @@
+"""Quantization of activations and expert weights for every wire format of `layout`.
+
+==================  ==================================  ===============================================
+format              values                              scales
+==================  ==================================  ===============================================
+``fp8_blockwise``   ``[M, K] float8_e4m3fn``            ``[M, K/128] float32`` (1x128 groups), or
+                                                        ``[K/128, M]`` ("BlockMajorK", M contiguous)
+``mxfp8``           ``[M, K] float8_e4m3fn``            ``[M, pad(K, align)/32] float8_e8m0fnu`` (1x32)
+``nvfp4``           ``[M, K/2] uint8`` (two E2M1)       ``[M, K/16] float8_e4m3fn`` (1x16) and one
+                                                        ``[] float32`` global scale
+FP8 weights         ``[..., N, K] float8_e4m3fn``       ``[..., ceil(N/128), ceil(K/128)] float32``
+                                                        (128x128 blocks)
+==================  ==================================  ===============================================
+
+Every algorithm here is specified to the bit, because the C++ and CUDA kernels reproduce it: the steps are
+float32 operations in the order given, divisions are correctly rounded IEEE divisions (never a multiplication
+by a reciprocal) and every conversion to a narrow type rounds to nearest, ties to even. Non-finite inputs
+never leak into neighbouring groups: a group that holds a NaN or an infinity is marked NaN as a whole, with
+fixed bit patterns, and the other groups are quantized as if it were not there.
+
+Float32 subnormal inputs are outside the contract: backends may flush them to zero (XLA on CPU does).
+
+Each quantizer has a pure-JAX twin, ``_jax_<op>``, with the same signature and semantics; the public function
+checks its arguments and calls the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe_a2a import _ffi, layout
+
+# ----------------------------------------------------------------------------------------------------------------
+# Constants
+# ----------------------------------------------------------------------------------------------------------------
+
+FP8_BLOCK = layout.format_spec(layout.FP8_BLOCKWISE).block  # 128: activation group and weight block edge
+MX_BLOCK = layout.format_spec(layout.MXFP8).block  # 32
+NVFP4_BLOCK = layout.format_spec(layout.NVFP4).block  # 16
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E2M1_MAX = 6.0  # largest float4_e2m1fn
+# Floor of a blockwise FP8 group's amax: an all-zero group gets scale float32(1e-12) * float32(1/448) instead of 0,
+# so its reciprocal stays finite. Also the floor of the NVFP4 tensor amax behind the derived global scale.
+FP8_AMAX_FLOOR = 1e-12
+
+# Fixed bit patterns of the NaN markers.
+E4M3_NAN_BITS = 0x7F  # canonical positive NaN of float8_e4m3fn
+F32_NAN_BITS = 0x7FC00000  # canonical quiet NaN of float32
+E8M0_NAN_BITS = 0xFF  # the only NaN of float8_e8m0fnu
+
+# E2M1 code (low 3 bits; bit 3 is the sign) -> magnitude.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+_FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_FLOAT_INPUTS_TEXT = "bfloat16, float16 or float32"
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks and helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_array(op: str, name: str, x: Any) -> None:
+  if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
+
+
+def _check_float_input(op: str, name: str, x: Any) -> None:
+  _check_array(op, name, x)
+  if jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
+    raise TypeError(f"{op}: {name} must be {_FLOAT_INPUTS_TEXT}, got {x.dtype}")
+
+
+def _check_dtype(op: str, name: str, x: Any, dtype: Any) -> None:
+  _check_array(op, name, x)
+  if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+    raise TypeError(f"{op}: {name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
+
+
+def _check_2d(op: str, name: str, x: Any, dims: str = "[M, K]") -> tuple[int, int]:
+  if len(x.shape) != 2:
+    raise ValueError(f"{op}: {name} must be 2-D {dims}, got shape {tuple(x.shape)}")
+  return tuple(x.shape)
+
+
+def _check_out_dtype(op: str, dtype: Any) -> jnp.dtype:
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is None or not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{op}: dtype must be a floating dtype, got {dtype!r}")
+  return dt
+
+
+def _check_global_scale(op: str, global_scale: Any) -> jax.Array:
+  if isinstance(global_scale, bool) or not (isinstance(global_scale, (int, float)) or hasattr(global_scale, "dtype")):
+    raise TypeError(f"{op}: global_scale must be a float32 scalar, got {type(global_scale).__name__}")
+  if hasattr(global_scale, "dtype"):
+    if not jnp.issubdtype(global_scale.dtype, jnp.floating):
+      raise TypeError(f"{op}: global_scale must be a float32 scalar, got {global_scale.dtype}")
+    if tuple(global_scale.shape) != ():
+      raise ValueError(f"{op}: global_scale must be a scalar (shape ()), got shape {tuple(global_scale.shape)}")
+  return jnp.asarray(global_scale, jnp.float32)
+
+
+def _true_div(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`a / b` in float32, correctly rounded, both operands broadcast to one shape.
+
+  XLA rewrites a division by a constant or by a broadcast into a multiplication by the reciprocal, which differs
+  from true division in the last bit for about half of all inputs. Passing full-shape operands through an
+  optimization barrier hides that pattern (at the cost of materializing the divisor), so this twin agrees bit
+  for bit with the kernels.
+  """
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  a, b = jax.lax.optimization_barrier((a, b))
+  return a / b
+
+
+def _where_bits(cond: jax.Array, bits: int, x: jax.Array) -> jax.Array:
+  """`where(cond, <the value with bit pattern bits>, x)`, selecting on the raw bits so the pattern is exact."""
+  udtype = {1: jnp.uint8, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+  xb = jax.lax.bitcast_convert_type(x, udtype)
+  return jax.lax.bitcast_convert_type(jnp.where(cond, udtype(bits), xb), x.dtype)
+
+
+def _fp8_block_quantize(g: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """Blockwise FP8 E4M3 of float32 `g` whose block dimensions are `axes`; returns (q like g, scale without axes).
+
+  amax = max |g| over the block; scale = max(amax, 1e-12) * float32(1/448); q = e4m3(clip(g * (1 / scale),
+  -448, 448)); a block holding a NaN or an infinity gets q = NaN (0x7F) everywhere and scale = NaN (0x7FC00000).
+  Only operations that XLA compiles as written appear here (it turns a division by a constant or by a
+  broadcast into a multiplication by a reciprocal, so the rule is stated in those terms), which keeps this twin,
+  the CPU handler and the CUDA kernel identical bit for bit.
+  """
+  amax = jnp.max(jnp.abs(g), axis=axes, keepdims=True)
+  bad = jnp.any(~jnp.isfinite(g), axis=axes, keepdims=True)
+  scale = jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)) * jnp.float32(1.0 / E4M3_MAX)
+  inv_scale = jnp.float32(1.0) / scale
+  q = jnp.clip(g * inv_scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  q = _where_bits(bad, E4M3_NAN_BITS, q)
+  scale = _where_bits(bad, F32_NAN_BITS, scale)
+  return q, jnp.squeeze(scale, axis=axes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DeepSeek blockwise FP8: E4M3 with one FP32 scale per 1x128 group
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_fp8_blockwise(op: str, x_q: Any, x_sf: Any, *, block_major_k: bool = False) -> tuple[int, int]:
+  """Checks a blockwise FP8 activation and its scales (DESIGN.md §1.2); returns (M, K).
+
+  Args:
+    op: the caller's name, the first word of every error message.
+    x_q: `[M, K] float8_e4m3fn` with K % 128 == 0.
+    x_sf: `[M, K/128] float32` scales, one per 1x128 group (`[K/128, M]` when `block_major_k`). A missing scale
+      (None) is an error of its own.
+    block_major_k: expect the transposed scale layout.
+
+  Raises:
+    TypeError: x_q is not float8_e4m3fn, or x_sf is not float32.
+    ValueError: x_q is not 2-D or K % 128 != 0, x_sf is missing, or x_sf has the wrong shape.
+  """
+  # Type and shape checks
+  _check_dtype(op, "x_q", x_q, jnp.float8_e4m3fn)
+  m, k = _check_2d(op, "x_q", x_q)
+  if k % FP8_BLOCK or k == 0:
+    raise ValueError(f"{op}: x_q must be [M, K] with K % {FP8_BLOCK} == 0 and K > 0, got shape {tuple(x_q.shape)}")
+  if x_sf is None:
+    raise ValueError(f"{op}: x_sf must be given (the float32 scales of the fp8_blockwise activation x_q), got None")
+  _check_dtype(op, "x_sf", x_sf, jnp.float32)
+  want = (k // FP8_BLOCK, m) if block_major_k else (m, k // FP8_BLOCK)
+  if tuple(x_sf.shape) != want:
+    dims = "[K/128, M]" if block_major_k else "[M, K/128]"
+    raise ValueError(f"{op}: x_sf must be {dims} = {want} for x_q of shape {(m, k)}, got shape {tuple(x_sf.shape)}")
+  return m, k
+
+
+@functools.partial(jax.jit, static_argnames=("block_major_k",))
+def _jax_quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Pure-JAX twin of `quantize_fp8_blockwise` (same signature and semantics, no argument checks)."""
+  m, k = x.shape
+  g = x.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
+  q, scale = _fp8_block_quantize(g, (2,))
+  q = q.reshape(m, k)
+  return q, (scale.T if block_major_k else scale)
+
+
+def _ffi_quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False) -> tuple[jax.Array, jax.Array]:
+  """The custom call jax_moe_a2a_quantize_fp8_blockwise (CPU handler or CUDA kernel), one pass over x."""
+  m, k = x.shape
+  groups = k // FP8_BLOCK
+  out = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((groups, m) if block_major_k else (m, groups), jnp.float32))
+  return _ffi.ffi_call("quantize_fp8_blockwise", out, x, block_major_k=bool(block_major_k))
+
+
+def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
+                           impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """Quantizes activations to FP8 E4M3 with one FP32 scale per 1x128 group (DeepSeek blockwise FP8).
+
+  The algorithm, in float32, per row and group of 128 consecutive columns `g`:
+
+  1. `amax = max(|g|)`;
+  2. `scale = max(amax, float32(1e-12)) * float32(1/448)` (one correctly rounded multiplication);
+  3. `q = e4m3(clip(g * (1 / scale), -448, 448))` (the reciprocal is a correctly rounded division, then one
+     multiplication and round to nearest even; the clip only absorbs the rounding, |g / scale| <= 448 * (1 +
+     2^-21), and never changes a finite result, but kernels keep it so their conversions never see an
+     out-of-range value);
+  4. if the group holds a NaN or an infinity (amax is not finite): every q of the group is the positive NaN of
+     E4M3 (byte 0x7F) and scale is the float32 quiet NaN (0x7FC00000); other groups are unaffected.
+
+  An all-zero group has scale float32(1e-12) * float32(1/448) and zero values. float32 subnormal inputs
+  (|x| < 2^-126) are outside the contract: XLA on CPU flushes them to zero. `dequantize_fp8_blockwise` gives q * scale;
+  for finite x its error is at most |x| * 2^-4 + scale * 2^-10 per element (E4M3 keeps 3 mantissa bits; 2^-10
+  is half the spacing of its subnormals).
+
+  Args:
+    x: `[M, K]` bfloat16, float16 or float32 with K % 128 == 0 (M may be 0).
+    block_major_k: return the scales transposed, `[K/128, M]` (M contiguous), as the expert GEMM wants them.
+      The custom call writes them so directly, without a transpose pass.
+    impl: "ffi" (the custom call jax_moe_a2a_quantize_fp8_blockwise), "reference" (the pure-JAX twin) or
+      "auto" (see `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
+
+  Returns:
+    x_q: `[M, K] float8_e4m3fn`.
+    x_sf: `[M, K/128] float32`, one scale per 1x128 group (`[K/128, M]` when `block_major_k`).
+
+  Raises:
+    TypeError: x is not bfloat16, float16 or float32.
+    ValueError: x is not 2-D, or K % 128 != 0 or K == 0.
+  """
+  # Type and shape checks
+  op = "quantize_fp8_blockwise"
+  _check_float_input(op, "x", x)
+  _, k = _check_2d(op, "x", x)
+  if k % FP8_BLOCK:
+    raise ValueError(f"{op}: x must be [M, K] with K % {FP8_BLOCK} == 0, got shape {tuple(x.shape)}")
+  if k == 0:
+    raise ValueError(f"{op}: x must be [M, K] with K > 0, got shape {tuple(x.shape)}")
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    return _ffi_quantize_fp8_blockwise(x, block_major_k=bool(block_major_k))
+  return _jax_quantize_fp8_blockwise(x, block_major_k=bool(block_major_k))
+
+
+@functools.partial(jax.jit, static_argnames=("block_major_k", "dtype"))
+def _jax_dequantize_fp8_blockwise(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: bool = False,
+                                  dtype: Any = jnp.float32) -> jax.Array:
+  """Pure-JAX twin of `dequantize_fp8_blockwise` (no argument checks)."""
+  m, k = x_q.shape
+  scale = x_sf.T if block_major_k else x_sf
+  g = x_q.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK) * scale[..., None]
+  return g.reshape(m, k).astype(dtype)
+
+
+def dequantize_fp8_blockwise(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: bool = False,
+                             dtype: Any = jnp.float32) -> jax.Array:
+  """Inverse of `quantize_fp8_blockwise`: `float32(x_q) * scale` of its group, then cast to `dtype`.
+
+  NaN groups come back as NaN.
+
+  Args:
+    x_q: `[M, K] float8_e4m3fn` with K % 128 == 0.
+    x_sf: `[M, K/128] float32`, one scale per 1x128 group (`[K/128, M]` when `block_major_k`).
+    block_major_k: x_sf is in the transposed layout.
+    dtype: the floating output dtype.
+
+  Returns:
+    `[M, K] dtype`.
+  """
+  # Type and shape checks
+  op = "dequantize_fp8_blockwise"
+  check_fp8_blockwise(op, x_q, x_sf, block_major_k=block_major_k)
+  dtype = _check_out_dtype(op, dtype)
+  return _jax_dequantize_fp8_blockwise(x_q, x_sf, block_major_k=bool(block_major_k), dtype=dtype)
+
+
+def to_block_major_k(x_q: jax.Array, x_sf: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Checks a blockwise FP8 activation and transposes its scales to the BlockMajorK layout.
+
+  Args:
+    x_q: `[M, K] float8_e4m3fn` with K % 128 == 0.
+    x_sf: `[M, K/128] float32`, one scale per 1x128 group; must be given.
+
+  Returns:
+    x_q: unchanged.
+    x_sf_t: `[K/128, M] float32` (M contiguous: DeepGEMM's and CUTLASS SM90's MN-major activation scales).
+
+  Raises:
+    TypeError, ValueError: as `check_fp8_blockwise`.
+  """
+  # Type and shape checks
+  check_fp8_blockwise("to_block_major_k", x_q, x_sf)
+  return x_q, x_sf.T
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 weights: E4M3 with one FP32 scale per 128x128 block
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _weight_dims(op: str, w: Any, name: str) -> tuple[tuple[int, ...], int, int]:
+  if len(w.shape) < 2:
+    raise ValueError(f"{op}: {name} must be [..., N, K] (at least 2-D), got shape {tuple(w.shape)}")
+  *batch, n, k = w.shape
+  if n == 0 or k == 0:
+    raise ValueError(f"{op}: {name} must be [..., N, K] with N > 0 and K > 0, got shape {tuple(w.shape)}")
+  return tuple(batch), n, k
+
+
+def _pad_nk(w: jax.Array, n: int, k: int) -> jax.Array:
+  pads = [(0, 0)] * (w.ndim - 2) + [(0, layout.round_up(n, FP8_BLOCK) - n), (0, layout.round_up(k, FP8_BLOCK) - k)]
+  return jnp.pad(w, pads)
+
+
+@jax.jit
+def _jax_quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Pure-JAX twin of `quantize_fp8_weight` (same signature and semantics, no argument checks)."""
+  *batch, n, k = w.shape
+  nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+  g = _pad_nk(w.astype(jnp.float32), n, k).reshape(*batch, nb, FP8_BLOCK, kb, FP8_BLOCK)
+  q, scale = _fp8_block_quantize(g, (g.ndim - 3, g.ndim - 1))
+  q = q.reshape(*batch, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k]
+  return q, scale
+
+
+def quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Quantizes weights to FP8 E4M3 with one FP32 scale per 128x128 block.
+
+  Each 128x128 block of the last two dims is quantized exactly as a 1x128 group of `quantize_fp8_blockwise`
+  (scale = max(amax, 1e-12) * float32(1/448), q = e4m3(clip(w * (1 / scale), -448, 448)), NaN/inf block -> q
+  0x7F and scale 0x7FC00000, all-zero block -> scale float32(1e-12) * float32(1/448)). When N or K is not a multiple of 128 the edge blocks are
+  padded with zeros for the amax only; the padding is not returned.
+
+  Args:
+    w: `[..., N, K]` bfloat16, float16 or float32 (any leading dims, e.g. `[num_experts, N, K]`).
+
+  Returns:
+    w_q: `[..., N, K] float8_e4m3fn`.
+    w_sf: `[..., ceil(N/128), ceil(K/128)] float32`, one scale per 128x128 block.
+
+  Raises:
+    TypeError: w is not bfloat16, float16 or float32.
+    ValueError: w has fewer than 2 dims, or N or K is 0.
+  """
+  # Type and shape checks
+  op = "quantize_fp8_weight"
+  _check_float_input(op, "w", w)
+  _weight_dims(op, w, "w")
+  return _jax_quantize_fp8_weight(w)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _jax_dequantize_fp8_weight(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
+  """Pure-JAX twin of `dequantize_fp8_weight` (no argument checks)."""
+  *batch, n, k = w_q.shape
+  nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+  g = _pad_nk(w_q.astype(jnp.float32), n, k).reshape(*batch, nb, FP8_BLOCK, kb, FP8_BLOCK)
+  g = g * w_sf[..., :, None, :, None]
+  return g.reshape(*batch, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k].astype(dtype)
+
+
+def dequantize_fp8_weight(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
+  """Inverse of `quantize_fp8_weight`: `float32(w_q) * scale` of its 128x128 block, then cast to `dtype`.
+
+  Args:
+    w_q: `[..., N, K] float8_e4m3fn`.
+    w_sf: `[..., ceil(N/128), ceil(K/128)] float32`, one scale per 128x128 block.
+    dtype: the floating output dtype.
+
+  Returns:
+    `[..., N, K] dtype`.
+  """
+  # Type and shape checks
+  op = "dequantize_fp8_weight"
+  _check_dtype(op, "w_q", w_q, jnp.float8_e4m3fn)
+  batch, n, k = _weight_dims(op, w_q, "w_q")
+  _check_dtype(op, "w_sf", w_sf, jnp.float32)
+  nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+  if tuple(w_sf.shape) != (*batch, nb, kb):
+    raise ValueError(f"{op}: w_sf must be [..., ceil(N/128), ceil(K/128)] = {(*batch, nb, kb)} for w_q of shape "
+                     f"{tuple(w_q.shape)}, got shape {tuple(w_sf.shape)}")
+  dtype = _check_out_dtype(op, dtype)
+  return _jax_dequantize_fp8_weight(w_q, w_sf, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MXFP8: E4M3 with one E8M0 (power-of-two) scale per 1x32 block
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _mx_dims(op: str, name: str, x: Any, mx_alignment: Optional[int]) -> tuple[int, int, int]:
+  """Checks [M, K] and the alignment; returns (M, K, scale columns)."""
+  m, k = _check_2d(op, name, x)
+  if mx_alignment is not None and (isinstance(mx_alignment, bool) or not isinstance(mx_alignment, int)
+                                   or mx_alignment <= 0 or mx_alignment % MX_BLOCK):
+    raise ValueError(f"{op}: mx_alignment must be None or a positive multiple of {MX_BLOCK}, got {mx_alignment!r}")
+  if k == 0:
+    raise ValueError(f"{op}: {name} must be [M, K] with K > 0, got shape {tuple(x.shape)}")
+  if mx_alignment is None and k % MX_BLOCK:
+    raise ValueError(f"{op}: {name} must be [M, K] with K % {MX_BLOCK} == 0 (or give an mx_alignment), "
+                     f"got shape {tuple(x.shape)}")
+  return m, k, layout.dispatch_layout(k, layout.MXFP8, mx_alignment=mx_alignment).scale_cols
+
+
+@functools.partial(jax.jit, static_argnames=("mx_alignment",))
+def _jax_quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+  """Pure-JAX twin of `quantize_mxfp8` (same signature and semantics, no argument checks)."""
+  m, k = x.shape
+  cols = layout.dispatch_layout(k, layout.MXFP8, mx_alignment=mx_alignment).scale_cols
+  g = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, cols * MX_BLOCK - k))).reshape(m, cols, MX_BLOCK)
+  amax = jnp.max(jnp.abs(g), axis=2)
+  bad = jnp.any(~jnp.isfinite(g), axis=2)
+  # amax = 1.f * 2^(E - 127) and 448 = 1.75 * 2^8, so the smallest e with amax <= 448 * 2^e is E - 127 - 8, plus
+  # one when 1.f > 1.75 (mantissa field > 0x600000). Biased (+127) and clamped to E8M0's finite range.
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+  exp_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+  biased = exp_field - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+  biased = jnp.clip(biased, 0, 254)
+  # 1 / scale = 2^(127 - biased), a normal float32 (biased <= 247 for finite amax): the product is exact.
+  inv_scale = jax.lax.bitcast_convert_type(((254 - biased) << 23).astype(jnp.uint32), jnp.float32)
+  q = (g * inv_scale[..., None]).astype(jnp.float8_e4m3fn)
+  q = _where_bits(bad[..., None], E4M3_NAN_BITS, q).reshape(m, cols * MX_BLOCK)[:, :k]
+  biased = jnp.where(bad, E8M0_NAN_BITS, biased).astype(jnp.uint8)
+  return q, jax.lax.bitcast_convert_type(biased, jnp.float8_e8m0fnu)
+
+
+def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+  """Quantizes activations to MXFP8: E4M3 values with one power-of-two (E8M0) scale per 1x32 block.
+
+  K is first padded with zero columns up to `pad(K, mx_alignment)` (`layout.dispatch_layout` gives the count).
+  Per row and block `g` of 32 columns, in float32:
+
+  1. `amax = max(|g|)`;
+  2. `scale = 2^e` with `e` the smallest integer in [-127, 127] such that `amax <= 448 * 2^e`, computed exactly
+     from the bits of amax (no logarithm); an all-zero block therefore gets the smallest scale, 2^-127 (byte
+     0x00), and zero values;
+  3. `q = e4m3(g * 2^-e)`: the product is exact and |g * 2^-e| <= 448, so no saturation is needed; the
+     conversion rounds to nearest even;
+  4. if the block holds a NaN or an infinity: scale is the E8M0 NaN (byte 0xFF) and every q of the block is the
+     E4M3 NaN (0x7F); other blocks are unaffected.
+
+  Values in the padded columns are not returned; blocks made only of padding have scale 2^-127.
+  For finite x the error of `dequantize_mxfp8` is at most |x| * 2^-4 + scale * 2^-10 per element.
+
+  Args:
+    x: `[M, K]` bfloat16, float16 or float32; K % 32 == 0 unless `mx_alignment` is given.
+    mx_alignment: pad K up to this positive multiple of 32 before forming blocks (None: no padding).
+
+  Returns:
+    x_q: `[M, K] float8_e4m3fn`.
+    x_sf: `[M, pad(K, mx_alignment) / 32] float8_e8m0fnu`, one scale per 1x32 block.
+
+  Raises:
+    TypeError: x is not bfloat16, float16 or float32.
+    ValueError: x is not 2-D, K == 0, K % 32 != 0 without an alignment, or a bad alignment.
+  """
+  # Type and shape checks
+  op = "quantize_mxfp8"
+  _check_float_input(op, "x", x)
+  _mx_dims(op, "x", x, mx_alignment)
+  return _jax_quantize_mxfp8(x, mx_alignment=mx_alignment)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _jax_dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
+  """Pure-JAX twin of `dequantize_mxfp8` (no argument checks; the scale count carries the alignment)."""
+  m, k = x_q.shape
+  cols = x_sf.shape[1]
+  g = jnp.pad(x_q.astype(jnp.float32), ((0, 0), (0, cols * MX_BLOCK - k))).reshape(m, cols, MX_BLOCK)
+  g = g * x_sf.astype(jnp.float32)[..., None]
+  return g.reshape(m, cols * MX_BLOCK)[:, :k].astype(dtype)
+
+
+def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[int] = None,
+                     dtype: Any = jnp.float32) -> jax.Array:
+  """Inverse of `quantize_mxfp8`: `float32(x_q) * 2^e` of its block, then cast to `dtype`.
+
+  Args:
+    x_q: `[M, K] float8_e4m3fn`.
+    x_sf: `[M, pad(K, mx_alignment) / 32] float8_e8m0fnu`, one scale per 1x32 block.
+    mx_alignment: the alignment `x_sf` was made with (None: K % 32 == 0, no padding).
+    dtype: the floating output dtype.
+
+  Returns:
+    `[M, K] dtype`; NaN blocks come back as NaN.
+  """
+  # Type and shape checks
+  op = "dequantize_mxfp8"
+  _check_dtype(op, "x_q", x_q, jnp.float8_e4m3fn)
+  m, k, cols = _mx_dims(op, "x_q", x_q, mx_alignment)
+  _check_dtype(op, "x_sf", x_sf, jnp.float8_e8m0fnu)
+  if tuple(x_sf.shape) != (m, cols):
+    raise ValueError(f"{op}: x_sf must be [M, pad(K, mx_alignment) / 32] = {(m, cols)} for x_q of shape "
+                     f"{(m, k)} and mx_alignment={mx_alignment}, got shape {tuple(x_sf.shape)}")
+  dtype = _check_out_dtype(op, dtype)
+  return _jax_dequantize_mxfp8(x_q, x_sf, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NVFP4: E2M1 with one E4M3 scale per 1x16 block and one FP32 global scale
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _e2m1_encode(v: jax.Array) -> jax.Array:
+  """float32 -> E2M1 code (uint8, 0..15): round to nearest even on the grid, saturate at ±6, keep the sign.
+
+  Each threshold is the midpoint between two neighbouring magnitudes; at a tie the even code wins, so the
+  comparison is strict above an even code and inclusive above an odd one.
+  """
+  a = jnp.abs(v)
+  mag = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+         + (a > 5.0))
+  return mag.astype(jnp.uint8) | (jnp.signbit(v).astype(jnp.uint8) << 3)
+
+
+def _e2m1_decode(code: jax.Array) -> jax.Array:
+  """E2M1 code (uint8, 0..15) -> float32."""
+  mag = jnp.asarray(E2M1_VALUES, jnp.float32)[(code & 7).astype(jnp.int32)]
+  return jnp.where((code & 8) != 0, -mag, mag)
+
+
+@jax.jit
+def _jax_nvfp4_global_scale(x: jax.Array) -> jax.Array:
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0), initial=0.0)
+  return _true_div(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)), jnp.float32(E4M3_MAX * E2M1_MAX))
+
+
+def nvfp4_global_scale(x: jax.Array) -> jax.Array:
+  """The NVFP4 global (decode) scale of `x`: `max(amax, float32(1e-12)) / float32(2688)` (2688 = 448 * 6).
+
+  amax is the largest |x| over the finite elements only, so a NaN or an infinity does not spoil the other
+  blocks; the 1e-12 floor keeps an all-zero (or empty) tensor's scale positive.
+
+  Args:
+    x: any shape, bfloat16, float16 or float32.
+
+  Returns:
+    `[] float32`.
+  """
+  # Type and shape checks
+  _check_float_input("nvfp4_global_scale", "x", x)
+  return _jax_nvfp4_global_scale(x)
+
+
+@jax.jit
+def _jax_quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Pure-JAX twin of `quantize_nvfp4` (same signature and semantics, no argument checks)."""
+  m, k = x.shape
+  gs = _jax_nvfp4_global_scale(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
+  g = x.astype(jnp.float32).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
+  amax = jnp.max(jnp.abs(g), axis=2)
+  bad = jnp.any(~jnp.isfinite(g), axis=2)
+  ratio = _true_div(_true_div(amax, jnp.float32(E2M1_MAX)), gs)
+  sf = jnp.clip(ratio, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  denom = sf.astype(jnp.float32) * gs
+  v = jnp.where(denom[..., None] > 0, _true_div(g, denom[..., None]), 0.0)
+  code = jnp.where(bad[..., None], jnp.uint8(0), _e2m1_encode(v)).reshape(m, k // 2, 2)
+  x_q = code[..., 0] | (code[..., 1] << 4)
+  return x_q, _where_bits(bad, E4M3_NAN_BITS, sf), gs
+
+
+def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Quantizes activations to NVFP4: E2M1 values, one E4M3 scale per 1x16 block, one FP32 global scale.
+
+  `global_scale` is the FP32 *decode* factor: x ≈ e2m1 value * float32(block scale) * global_scale. In float32,
+  per row and block `g` of 16 columns:
+
+  1. `global_scale` (when not given) `= max(amax(x), 1e-12) / 2688`, amax over the finite elements of x (see
+     `nvfp4_global_scale`);
+  2. `s_b = e4m3(clip((max(|g|) / 6) / global_scale, 0, 448))` (correctly rounded divisions, round to nearest
+     even; the clip only matters for a given global_scale that is too small);
+  3. `d = float32(s_b) * global_scale`; the codes are `e2m1(g / d)`, rounded to nearest even on the grid
+     {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturated at ±6, sign kept (so -0 and small negatives give code 0x8);
+  4. when `s_b` is 0 (an all-zero block, or one far below the global scale) every code of the block is +0;
+  5. when the block holds a NaN or an infinity: `s_b` is the E4M3 NaN (0x7F) and every code is +0 (E2M1 has
+     no NaN), so the block dequantizes to NaN; other blocks are unaffected.
+
+  Packing: byte j of a row holds column 2j in its low nibble and column 2j+1 in its high nibble; a nibble is
+  sign (bit 3) and the index of the magnitude in {0, 0.5, 1, 1.5, 2, 3, 4, 6} (bits 0-2).
+
+  With the derived global scale and s_b an E4M3 normal, the error of `dequantize_nvfp4` is at most
+  `max(|g|) / 6 * (1 + 2^-4)` per element (half the widest E2M1 step, at the scale rounded up by 2^-4).
+
+  Args:
+    x: `[M, K]` bfloat16, float16 or float32 with K % 16 == 0.
+    global_scale: `[] float32` decode factor, positive and finite (None: derived from x as in step 1). Give one
+      to share a scale between tensors, e.g. across ranks.
+
+  Returns:
+    x_q: `[M, K/2] uint8`, two E2M1 codes per byte.
+    x_sf: `[M, K/16] float8_e4m3fn`, one scale per 1x16 block.
+    global_scale: `[] float32`.
+
+  Raises:
+    TypeError: x is not bfloat16, float16 or float32, or global_scale is not a float scalar.
+    ValueError: x is not 2-D, K % 16 != 0 or K == 0, or global_scale is not a scalar.
+  """
+  # Type and shape checks
+  op = "quantize_nvfp4"
+  _check_float_input(op, "x", x)
+  _, k = _check_2d(op, "x", x)
+  if k % NVFP4_BLOCK or k == 0:
+    raise ValueError(f"{op}: x must be [M, K] with K % {NVFP4_BLOCK} == 0 and K > 0, got shape {tuple(x.shape)}")
+  if global_scale is not None:
+    global_scale = _check_global_scale(op, global_scale)
+  return _jax_quantize_nvfp4(x, global_scale=global_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _jax_dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
+                          dtype: Any = jnp.float32) -> jax.Array:
+  """Pure-JAX twin of `dequantize_nvfp4` (no argument checks)."""
+  m, half_k = x_q.shape
+  code = jnp.stack([x_q & 0xF, x_q >> 4], axis=-1).reshape(m, 2 * half_k // NVFP4_BLOCK, NVFP4_BLOCK)
+  g = (_e2m1_decode(code) * x_sf.astype(jnp.float32)[..., None]) * jnp.asarray(global_scale, jnp.float32)
+  return g.reshape(m, 2 * half_k).astype(dtype)
+
+
+def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
+                     dtype: Any = jnp.float32) -> jax.Array:
+  """Inverse of `quantize_nvfp4`: `(e2m1 value * float32(s_b)) * global_scale`, then cast to `dtype`.
+
+  Args:
+    x_q: `[M, K/2] uint8`, two E2M1 codes per byte (low nibble: even column).
+    x_sf: `[M, K/16] float8_e4m3fn`, one scale per 1x16 block.
+    global_scale: `[] float32` decode factor.
+    dtype: the floating output dtype.
+
+  Returns:
+    `[M, K] dtype`; NaN blocks come back as NaN.
+  """
+  # Type and shape checks
+  op = "dequantize_nvfp4"
+  _check_dtype(op, "x_q", x_q, jnp.uint8)
+  m, half_k = _check_2d(op, "x_q", x_q, "[M, K/2]")
+  k = 2 * half_k
+  if k % NVFP4_BLOCK or k == 0:
+    raise ValueError(f"{op}: x_q must be [M, K/2] with K % {NVFP4_BLOCK} == 0 and K > 0, got shape "
+                     f"{tuple(x_q.shape)}")
+  _check_dtype(op, "x_sf", x_sf, jnp.float8_e4m3fn)
+  if tuple(x_sf.shape) != (m, k // NVFP4_BLOCK):
+    raise ValueError(f"{op}: x_sf must be [M, K/16] = {(m, k // NVFP4_BLOCK)} for x_q of shape {(m, half_k)}, "
+                     f"got shape {tuple(x_sf.shape)}")
+  global_scale = _check_global_scale(op, global_scale)
+  dtype = _check_out_dtype(op, dtype)
+  return _jax_dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dispatch over formats
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_format(op: str, fmt: Any) -> str:
+  if not isinstance(fmt, str) or fmt not in layout.FORMATS:
+    raise ValueError(f"{op}: fmt must be one of {', '.join(layout.FORMATS)}, got {fmt!r}")
+  return fmt
+
+
+def quantize(x: jax.Array, fmt: str, **kwargs: Any
+             ) -> tuple[jax.Array, Optional[jax.Array], Optional[jax.Array]]:
+  """Quantizes `[M, K]` activations to wire format `fmt`; returns `(x_q, x_sf, global_scale)`.
+
+  `bf16` is a cast with no scales (`x_sf` and `global_scale` None); `fp8_blockwise` and `mxfp8` have no global
+  scale (None); `nvfp4` has all three. `kwargs` go to the format's quantizer (`block_major_k`, `mx_alignment`,
+  `global_scale`).
+  """
+  # Type and shape checks
+  fmt = _check_format("quantize", fmt)
+  if fmt == layout.BF16:
+    if kwargs:
+      raise TypeError(f"quantize: {fmt} takes no options, got {sorted(kwargs)}")
+    _check_float_input("quantize", "x", x)
+    _check_2d("quantize", "x", x)
+    return x.astype(jnp.bfloat16), None, None
+  if fmt == layout.FP8_BLOCKWISE:
+    return (*quantize_fp8_blockwise(x, **kwargs), None)
+  if fmt == layout.MXFP8:
+    return (*quantize_mxfp8(x, **kwargs), None)
+  return quantize_nvfp4(x, **kwargs)
+
+
+def dequantize(x_q: jax.Array, x_sf: Optional[jax.Array], fmt: str, *, global_scale: Optional[jax.Array] = None,
+               dtype: Any = jnp.float32, **kwargs: Any) -> jax.Array:
+  """Inverse of `quantize`: `[M, K] dtype` from the `(x_q, x_sf, global_scale)` of wire format `fmt`.
+
+  `kwargs` go to the format's dequantizer (`block_major_k`, `mx_alignment`).
+  """
+  # Type and shape checks
+  op = "dequantize"
+  fmt = _check_format(op, fmt)
+  if fmt != layout.NVFP4 and global_scale is not None:
+    raise ValueError(f"{op}: global_scale must be None for {fmt}, got {type(global_scale).__name__}")
+  if fmt == layout.BF16:
+    if kwargs:
+      raise TypeError(f"{op}: {fmt} takes no options, got {sorted(kwargs)}")
+    if x_sf is not None:
+      raise ValueError(f"{op}: x_sf must be None for {fmt}, got {type(x_sf).__name__}")
+    _check_dtype(op, "x_q", x_q, jnp.bfloat16)
+    return x_q.astype(_check_out_dtype(op, dtype))
+  if fmt == layout.FP8_BLOCKWISE:
+    return dequantize_fp8_blockwise(x_q, x_sf, dtype=dtype, **kwargs)
+  if fmt == layout.MXFP8:
+    return dequantize_mxfp8(x_q, x_sf, dtype=dtype, **kwargs)
+  if kwargs:
+    raise TypeError(f"{op}: {fmt} takes no options, got {sorted(kwargs)}")
+  if global_scale is None:
+    raise ValueError(f"{op}: global_scale must be given for {fmt}, got None")
+  return dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype)
