@@ -44,7 +44,8 @@ def _report(args: argparse.Namespace) -> int:
   ref = np.asarray(x, np.float32)
   print(f"\nRound trip of {args.tokens} x {args.hidden} bf16 values:")
   for fmt in layout.FORMATS:
-    deq = np.asarray(quant.dequantize(*quant.quantize(x, fmt), fmt=fmt) if fmt != layout.BF16 else x, np.float32)
+    x_q, x_sf, global_scale = quant.quantize(x, fmt)
+    deq = np.asarray(quant.dequantize(x_q, x_sf, fmt, global_scale=global_scale), np.float32)
     rel = np.linalg.norm(deq - ref) / np.linalg.norm(ref)
     print(f"  {fmt:<14} relative error {rel:.2e}")
   q_ref, sf_ref = quant.quantize_fp8_blockwise(x, impl="reference")

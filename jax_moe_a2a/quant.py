@@ -44,8 +44,8 @@ NVFP4_BLOCK = layout.format_spec(layout.NVFP4).block  # 16
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0  # largest float4_e2m1fn
-# Floor of a blockwise FP8 group's amax: an all-zero group gets scale float32(1e-12) * float32(1/448) instead of 0,
-# so its reciprocal stays finite. Also the floor of the NVFP4 tensor amax behind the derived global scale.
+# Floor of a blockwise FP8 group's amax: an all-zero group gets scale 2^-48 (the power of two for 1e-12) instead
+# of 0. Also the floor of the NVFP4 tensor amax behind the derived global scale.
 FP8_AMAX_FLOOR = 1e-12
 
 # Fixed bit patterns of the NaN markers.
@@ -128,19 +128,34 @@ def _where_bits(cond: jax.Array, bits: int, x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.where(cond, udtype(bits), xb), x.dtype)
 
 
+def _pow2_scale_exponent(amax: jax.Array) -> jax.Array:
+  """Biased exponent (+127) of the smallest power of two 2^e with amax <= 448 * 2^e, for finite amax >= 0.
+
+  amax = 1.f * 2^(E - 127) and 448 = 1.75 * 2^8, so e = E - 127 - 8, plus one when 1.f > 1.75 (mantissa field
+  > 0x600000). Computed from the bits, exactly, on every backend.
+  """
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+  exp_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+  return exp_field - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+
+
+def _pow2(biased: jax.Array) -> jax.Array:
+  """2^(biased - 127) as float32, for biased in [1, 254]."""
+  return jax.lax.bitcast_convert_type((biased << 23).astype(jnp.uint32), jnp.float32)
+
+
 def _fp8_block_quantize(g: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   """Blockwise FP8 E4M3 of float32 `g` whose block dimensions are `axes`; returns (q like g, scale without axes).
 
-  amax = max |g| over the block; scale = max(amax, 1e-12) * float32(1/448); q = e4m3(clip(g * (1 / scale),
-  -448, 448)); a block holding a NaN or an infinity gets q = NaN (0x7F) everywhere and scale = NaN (0x7FC00000).
-  Only operations that XLA compiles as written appear here (it turns a division by a constant or by a
-  broadcast into a multiplication by a reciprocal, so the rule is stated in those terms), which keeps this twin,
-  the CPU handler and the CUDA kernel identical bit for bit.
+  scale = the smallest power of two with max(amax, 1e-12) <= 448 * scale; q = e4m3(clip(g / scale, -448,
+  448)), where the division by a power of two is exact; a block holding a NaN or an infinity gets q = NaN (0x7F)
+  everywhere and scale = NaN (0x7FC00000).
   """
   amax = jnp.max(jnp.abs(g), axis=axes, keepdims=True)
   bad = jnp.any(~jnp.isfinite(g), axis=axes, keepdims=True)
-  scale = jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)) * jnp.float32(1.0 / E4M3_MAX)
-  inv_scale = jnp.float32(1.0) / scale
+  # For finite amax the biased exponent lies in [79, 247], so both 2^e and 2^-e are normal float32 values.
+  biased = jnp.clip(_pow2_scale_exponent(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR))), 1, 253)
+  scale, inv_scale = _pow2(biased), _pow2(254 - biased)
   q = jnp.clip(g * inv_scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
   q = _where_bits(bad, E4M3_NAN_BITS, q)
   scale = _where_bits(bad, F32_NAN_BITS, scale)
@@ -207,15 +222,17 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
   The algorithm, in float32, per row and group of 128 consecutive columns `g`:
 
   1. `amax = max(|g|)`;
-  2. `scale = max(amax, float32(1e-12)) * float32(1/448)` (one correctly rounded multiplication);
-  3. `q = e4m3(clip(g * (1 / scale), -448, 448))` (the reciprocal is a correctly rounded division, then one
-     multiplication and round to nearest even; the clip only absorbs the rounding, |g / scale| <= 448 * (1 +
-     2^-21), and never changes a finite result, but kernels keep it so their conversions never see an
-     out-of-range value);
+  2. `scale = 2^e`, the smallest power of two with `max(amax, float32(1e-12)) <= 448 * 2^e` (the "UE8M0"
+     rounding of DeepSeek-V3.1 and DeepGEMM, stored as FP32), computed exactly from the bits of amax;
+  3. `q = e4m3(clip(g / scale, -448, 448))`: dividing by a power of two is exact, so the only rounding is the
+     conversion to E4M3 (to nearest, ties to even), and every backend and kernel gives the same bits (the clip
+     never changes a finite result; kernels keep it so their conversions never see an out-of-range value);
   4. if the group holds a NaN or an infinity (amax is not finite): every q of the group is the positive NaN of
      E4M3 (byte 0x7F) and scale is the float32 quiet NaN (0x7FC00000); other groups are unaffected.
 
-  An all-zero group has scale float32(1e-12) * float32(1/448) and zero values. float32 subnormal inputs
+  A power-of-two scale costs at most one binade of E4M3's range at the bottom (amax maps into (224, 448]) and
+  makes dequantization exact. An all-zero group has scale 2^-48 (from the 1e-12 floor) and zero values.
+  float32 subnormal inputs
   (|x| < 2^-126) are outside the contract: XLA on CPU flushes them to zero. `dequantize_fp8_blockwise` gives q * scale;
   for finite x its error is at most |x| * 2^-4 + scale * 2^-10 per element (E4M3 keeps 3 mantissa bits; 2^-10
   is half the spacing of its subnormals).
@@ -333,8 +350,8 @@ def quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Quantizes weights to FP8 E4M3 with one FP32 scale per 128x128 block.
 
   Each 128x128 block of the last two dims is quantized exactly as a 1x128 group of `quantize_fp8_blockwise`
-  (scale = max(amax, 1e-12) * float32(1/448), q = e4m3(clip(w * (1 / scale), -448, 448)), NaN/inf block -> q
-  0x7F and scale 0x7FC00000, all-zero block -> scale float32(1e-12) * float32(1/448)). When N or K is not a multiple of 128 the edge blocks are
+  (scale = smallest power of two with max(amax, 1e-12) <= 448 * scale, q = e4m3(clip(w / scale, -448, 448)),
+  NaN/inf block -> q 0x7F and scale 0x7FC00000, all-zero block -> scale 2^-48). When N or K is not a multiple of 128 the edge blocks are
   padded with zeros for the amax only; the padding is not returned.
 
   Args:
@@ -416,14 +433,10 @@ def _jax_quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> 
   g = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, cols * MX_BLOCK - k))).reshape(m, cols, MX_BLOCK)
   amax = jnp.max(jnp.abs(g), axis=2)
   bad = jnp.any(~jnp.isfinite(g), axis=2)
-  # amax = 1.f * 2^(E - 127) and 448 = 1.75 * 2^8, so the smallest e with amax <= 448 * 2^e is E - 127 - 8, plus
-  # one when 1.f > 1.75 (mantissa field > 0x600000). Biased (+127) and clamped to E8M0's finite range.
-  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
-  exp_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
-  biased = exp_field - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-  biased = jnp.clip(biased, 0, 254)
+  # Biased (+127) exponent of the scale, clamped to E8M0's finite range.
+  biased = jnp.clip(_pow2_scale_exponent(amax), 0, 254)
   # 1 / scale = 2^(127 - biased), a normal float32 (biased <= 247 for finite amax): the product is exact.
-  inv_scale = jax.lax.bitcast_convert_type(((254 - biased) << 23).astype(jnp.uint32), jnp.float32)
+  inv_scale = _pow2(254 - biased)
   q = (g * inv_scale[..., None]).astype(jnp.float8_e4m3fn)
   q = _where_bits(bad[..., None], E4M3_NAN_BITS, q).reshape(m, cols * MX_BLOCK)[:, :k]
   biased = jnp.where(bad, E8M0_NAN_BITS, biased).astype(jnp.uint8)

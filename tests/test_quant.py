@@ -52,13 +52,19 @@ def _tie_group(rng, exp):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _ref_pow2_scale(amax):
+  """Smallest power of two s with max(amax, 1e-12) <= 448 * s, from frexp: a = f * 2^ex, 448 = 0.875 * 2^9."""
+  f, ex = np.frexp(np.maximum(amax, F32(1e-12)))
+  return np.ldexp(F32(1), ex - 9 + (f > 0.875)).astype(F32)
+
+
 def _ref_fp8_groups(g, axes):
   """Blockwise FP8 of float32 g over block axes; returns (q bits uint8 like g, scale bits uint32 keepdims)."""
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
     amax = np.max(np.abs(g), axis=axes, keepdims=True)
     bad = ~np.all(np.isfinite(g), axis=axes, keepdims=True)
-    scale = np.maximum(amax, F32(1e-12)) * F32(1 / 448)
-    q = np.clip(g * (F32(1) / scale), F32(-448), F32(448)).astype(E4M3).view(np.uint8)
+    scale = _ref_pow2_scale(amax)
+    q = np.clip(g / scale, F32(-448), F32(448)).astype(E4M3).view(np.uint8)
   assert scale.dtype == np.float32
   return np.where(bad, np.uint8(0x7F), q), np.where(bad, np.uint32(0x7FC00000), scale.view(np.uint32))
 
@@ -196,16 +202,16 @@ def test_fp8_blockwise_scales_on_hand_made_groups():
   x = np.zeros((16, 512), F32)
   x[0, 5], x[0, 9] = -448.0, 3.0  # amax 448 -> scale 1, values exact
   x[0, 200] = 896.0  # amax 896 -> scale 2
-  x[0, 300] = 1.0  # amax 1 -> scale float32(1/448)
-  # x[0, 384:] stays zero -> scale 1e-12 / 448, values zero
+  x[0, 300] = 1.0  # amax 1 -> scale 2^-8 (the smallest power of two with 1 <= 448 * scale), value 256
+  # x[0, 384:] stays zero -> scale 2^-48 (from the 1e-12 floor), values zero
   q, sf = quant.quantize_fp8_blockwise(jnp.asarray(x))
   sf = np.asarray(sf)
-  np.testing.assert_array_equal(_bits(sf[0]), np.array([1.0, 2.0, F32(1) * F32(1 / 448), F32(1e-12) * F32(1 / 448)],
+  np.testing.assert_array_equal(_bits(sf[0]), np.array([1.0, 2.0, 2.0**-8, 2.0**-48],
                                                        F32).view(np.uint32))
   q = np.asarray(q).astype(F32)
-  assert q[0, 5] == -448 and q[0, 9] == 3 and q[0, 200] == 448 and q[0, 300] == 448
+  assert q[0, 5] == -448 and q[0, 9] == 3 and q[0, 200] == 448 and q[0, 300] == 256
   assert np.all(q[0, 384:] == 0) and np.sum(q != 0) == 4
-  assert np.all(_bits(sf[1:]) == _bits(F32(1e-12) * F32(1 / 448)))
+  assert np.all(_bits(sf[1:]) == _bits(F32(2.0**-48)))
 
 
 def test_fp8_blockwise_block_major_k_is_the_transpose():
@@ -574,11 +580,11 @@ def test_fp8_weight_per_block_bound():
   rng = np.random.default_rng(12)
   w = (rng.standard_normal((4, 256, 200)) * np.exp2(rng.uniform(-12, 4, size=(4, 256, 200)))).astype(F32)
   w_q, w_sf = quant.quantize_fp8_weight(jnp.asarray(w))
-  # Each scale is its block's amax / 448, blocks cut at 128x128 (the K edge block is 72 wide).
+  # Each scale is the power of two for its block's amax, blocks cut at 128x128 (the K edge block is 72 wide).
   amax = np.max(np.abs(w.reshape(4, 2, 128, 200)[..., :128]), axis=(2, 3))
-  np.testing.assert_array_equal(np.asarray(w_sf)[..., 0], amax * F32(1 / 448))
+  np.testing.assert_array_equal(np.asarray(w_sf)[..., 0], _ref_pow2_scale(amax))
   amax = np.max(np.abs(w.reshape(4, 2, 128, 200)[..., 128:]), axis=(2, 3))
-  np.testing.assert_array_equal(np.asarray(w_sf)[..., 1], amax * F32(1 / 448))
+  np.testing.assert_array_equal(np.asarray(w_sf)[..., 1], _ref_pow2_scale(amax))
   deq = np.asarray(quant.dequantize_fp8_weight(w_q, w_sf))
   scale = np.repeat(np.repeat(np.asarray(w_sf), 128, axis=1), 128, axis=2)[:, :256, :200]
   bound = np.abs(w) * 2.0**-4 + scale * 2.0**-10
@@ -588,7 +594,7 @@ def test_fp8_weight_per_block_bound():
 
 def test_fp8_weight_zero_block_and_errors():
   w_q, w_sf = quant.quantize_fp8_weight(jnp.zeros((130, 5), jnp.float16))
-  assert w_sf.shape == (2, 1) and np.all(_bits(w_sf) == _bits(F32(1e-12) * F32(1 / 448)))
+  assert w_sf.shape == (2, 1) and np.all(_bits(w_sf) == _bits(F32(2.0**-48)))
   assert np.all(_bits(w_q) == 0)
   with pytest.raises(ValueError, match=r"quantize_fp8_weight: w must be \[..., N, K\] \(at least 2-D\), got shape"):
     quant.quantize_fp8_weight(_abstract((128,)))

@@ -109,8 +109,14 @@ void QuantizeRows(Load load, int64_t m, int64_t k, uint8_t* x_q, float* x_sf, bo
       float scale;
       uint8_t* out = x_q + base;
       if (finite) {
-        scale = std::fmax(amax, kAmaxFloor) * kInvE4m3Max;
-        const float inv_scale = 1.0f / scale;
+        const float floored = std::fmax(amax, kAmaxFloor);
+        uint32_t amax_bits;
+        std::memcpy(&amax_bits, &floored, sizeof(amax_bits));
+        const uint32_t biased = ScaleExponent(amax_bits);
+        const uint32_t scale_bits = biased << 23, inv_bits = (254u - biased) << 23;
+        float inv_scale;
+        std::memcpy(&scale, &scale_bits, sizeof(scale));
+        std::memcpy(&inv_scale, &inv_bits, sizeof(inv_scale));
         for (int i = 0; i < kGroup; ++i) {
           const float q = std::fmin(std::fmax(v[i] * inv_scale, -kE4m3Max), kE4m3Max);
           out[i] = FloatToE4m3(q);

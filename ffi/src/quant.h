@@ -2,13 +2,13 @@
 //
 // NOTES: this is the exact rule of quant._jax_quantize_fp8_blockwise; the three must agree bit for bit.
 //   For each group g of kGroup consecutive values of a row (values upcast to float32):
-//     amax  = max |x|                                          (exact)
-//     scale = max(amax, kAmaxFloor) * kInvE4m3Max              (one float32 multiplication)
-//     q     = e4m3_rne(clamp(x * (1 / scale), -448, 448))      (IEEE reciprocal, one multiplication)
+//     amax  = max |x|                                                      (exact)
+//     scale = 2^e, the smallest power of two with max(amax, kAmaxFloor) <= 448 * 2^e   (from the bits, exact)
+//     q     = e4m3_rne(clamp(x * 2^-e, -448, 448))                          (the product is exact)
 //   A group whose amax is not finite (it holds NaN or +-inf) gets q = 0x7F (E4M3 NaN) for every value and
 //   scale = the canonical float32 quiet NaN (0x7FC00000).
-//   The rule uses only operations that XLA compiles as written (it turns a division by a constant or by a
-//   broadcast into a multiplication by the reciprocal), so the twin, this handler and the kernel agree.
+//   With a power-of-two scale the only rounding is the conversion to E4M3, so the pure-JAX twin (whatever XLA
+//   does to its divisions), this handler and the CUDA kernel agree bit for bit.
 #pragma once
 
 #include <cmath>
@@ -19,10 +19,18 @@ namespace jax_moe_a2a {
 
 constexpr int kGroup = 128;             // values per scale (1x128)
 constexpr float kE4m3Max = 448.0f;      // largest finite E4M3 (fn) value
-constexpr float kInvE4m3Max = 1.0f / 448.0f;  // float32(1/448), rounded to nearest
 constexpr float kAmaxFloor = 1e-12f;    // keeps the scale positive and normal for all-zero groups
 constexpr uint8_t kE4m3NaN = 0x7F;      // canonical E4M3 (fn) NaN
 constexpr uint32_t kF32QuietNaN = 0x7FC00000u;
+
+// Biased (+127) exponent of the scale 2^e for a finite amax: amax = 1.f * 2^(E - 127) and 448 = 1.75 * 2^8, so
+// e = E - 127 - 8, plus one when 1.f > 1.75 (mantissa field > 0x600000). With the floor, it lies in [79, 247].
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline uint32_t ScaleExponent(uint32_t amax_bits) {
+  return ((amax_bits >> 23) & 0xFFu) - 8u + ((amax_bits & 0x7FFFFFu) > 0x600000u ? 1u : 0u);
+}
 
 // float32 -> E4M3 (fn) with round-to-nearest-even, for |f| <= 448 (the caller clamps). Host only: the CUDA
 // kernel uses the hardware conversion, which rounds the same way.

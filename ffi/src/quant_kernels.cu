@@ -1,8 +1,8 @@
 // quant_kernels.cu -- FP8 1x128 blockwise quantization on the GPU.
 //
 // NOTES:
-//   - The rule is quant.h's, bit for bit: scale by __fmul_rn, reciprocal by __frcp_rn (IEEE), values by
-//     __fmul_rn, clamp to +-448, hardware round-to-nearest-even conversion.
+//   - The rule is quant.h's, bit for bit: a power-of-two scale from the bits of amax, an exact product, clamp to
+//     +-448, hardware round-to-nearest-even conversion.
 //   - One group (128 values) is handled by kGroup / kVec consecutive threads, each loading 16 bytes; the group's
 //     amax is reduced with shuffles inside that lane segment. Every lane takes part in the shuffles, also lanes
 //     past the end (their loads and stores are skipped), so full-warp shuffle masks stay valid.
@@ -24,7 +24,7 @@ namespace jax_moe_a2a {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 8;
 
 template <typename T>
 __device__ __forceinline__ void Unpack(const uint4& raw, float* v);
@@ -80,33 +80,34 @@ __device__ __forceinline__ void StoreBytes<4>(uint8_t* dst, const uint8_t* bytes
   *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(bytes);
 }
 
-template <typename T, bool kBlockMajorK>
+// Index is uint32_t when every element offset fits (cheaper division), else int64_t.
+template <typename T, bool kBlockMajorK, typename Index>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* __restrict__ x,
                                                                        uint8_t* __restrict__ x_q,
-                                                                       float* __restrict__ x_sf, int64_t m,
-                                                                       int64_t groups_per_row) {
+                                                                       float* __restrict__ x_sf, Index m,
+                                                                       Index groups_per_row) {
   constexpr int kVec = 16 / sizeof(T);       // values per 16-byte load
   constexpr int kLanes = kGroup / kVec;      // threads per group: 16 (2-byte input) or 32 (float32)
   constexpr int kGroupsPerPass = kThreads / kLanes;
   const int lane = threadIdx.x % kLanes;
-  const int64_t num_groups = m * groups_per_row;
-  const int64_t k = groups_per_row * kGroup;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGroupsPerPass * kUnroll + threadIdx.x / kLanes;
+  const Index num_groups = m * groups_per_row;
+  const Index k = groups_per_row * kGroup;
+  const Index first = static_cast<Index>(blockIdx.x) * (kGroupsPerPass * kUnroll) + threadIdx.x / kLanes;
 
   uint4 raw[kUnroll];
-  int64_t offset[kUnroll];
+  Index offset[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t f = first + static_cast<int64_t>(u) * kGroupsPerPass;
-    const int64_t row = kBlockMajorK ? f % m : f / groups_per_row;
-    const int64_t g = kBlockMajorK ? f / m : f % groups_per_row;
+    const Index f = first + static_cast<Index>(u) * kGroupsPerPass;
+    const Index row = kBlockMajorK ? f % m : f / groups_per_row;
+    const Index g = kBlockMajorK ? f / m : f % groups_per_row;
     offset[u] = row * k + g * kGroup + lane * kVec;
     raw[u] = f < num_groups ? LoadStreaming(x + offset[u]) : make_uint4(0, 0, 0, 0);
   }
 
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t f = first + static_cast<int64_t>(u) * kGroupsPerPass;
+    const Index f = first + static_cast<Index>(u) * kGroupsPerPass;
     float v[kVec];
     Unpack<T>(raw[u], v);
     float amax = 0.0f;
@@ -125,8 +126,9 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
     uint8_t bytes[kVec];
     float scale;
     if (finite) {
-      scale = __fmul_rn(fmaxf(amax, kAmaxFloor), kInvE4m3Max);
-      const float inv_scale = __frcp_rn(scale);
+      const uint32_t biased = ScaleExponent(__float_as_uint(fmaxf(amax, kAmaxFloor)));
+      scale = __uint_as_float(biased << 23);
+      const float inv_scale = __uint_as_float((254u - biased) << 23);
 #pragma unroll
       for (int i = 0; i < kVec; i += 2) {
         float2 q;
@@ -156,12 +158,19 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
   if (blocks == 0) return cudaSuccess;
   if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const auto* xt = static_cast<const T*>(x);
-  if (block_major_k) {
-    QuantizeFp8BlockwiseKernel<T, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        xt, x_q, x_sf, m, groups_per_row);
+  const dim3 grid(static_cast<unsigned>(blocks));
+  // The last block may enumerate groups past the end: those indices must fit the index type too.
+  if (blocks * kGroupsPerBlock * kGroup < (int64_t{1} << 32)) {
+    const auto m32 = static_cast<uint32_t>(m), g32 = static_cast<uint32_t>(groups_per_row);
+    if (block_major_k) {
+      QuantizeFp8BlockwiseKernel<T, true, uint32_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m32, g32);
+    } else {
+      QuantizeFp8BlockwiseKernel<T, false, uint32_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m32, g32);
+    }
+  } else if (block_major_k) {
+    QuantizeFp8BlockwiseKernel<T, true, int64_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m, groups_per_row);
   } else {
-    QuantizeFp8BlockwiseKernel<T, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        xt, x_q, x_sf, m, groups_per_row);
+    QuantizeFp8BlockwiseKernel<T, false, int64_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m, groups_per_row);
   }
   return cudaGetLastError();
 }
