@@ -6,8 +6,9 @@
 //   - One group (128 values) is handled by kGroup / kVec consecutive threads, each loading 16 bytes; the group's
 //     amax is reduced with shuffles inside that lane segment. Every lane takes part in the shuffles, also lanes
 //     past the end (their loads and stores are skipped), so full-warp shuffle masks stay valid.
-//   - Groups are enumerated in the order of the scale layout (row-major [m, k/128] or block-major [k/128, m]),
-//     so the one thread per group that stores the scale writes consecutive addresses: coalesced either way.
+//   - Groups are enumerated row-major, so a block reads and writes one contiguous stretch of x and x_q. The
+//     block-major scale layout [k/128, m] then gets strided 4-byte stores (1/64 of the traffic), which L2 merges
+//     with the neighbouring rows' stores of the next blocks.
 //   - Each thread keeps kUnroll independent 16-byte loads in flight before it computes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -91,7 +92,6 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
   constexpr int kGroupsPerPass = kThreads / kLanes;
   const int lane = threadIdx.x % kLanes;
   const Index num_groups = m * groups_per_row;
-  const Index k = groups_per_row * kGroup;
   const Index first = static_cast<Index>(blockIdx.x) * (kGroupsPerPass * kUnroll) + threadIdx.x / kLanes;
 
   uint4 raw[kUnroll];
@@ -99,9 +99,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const Index f = first + static_cast<Index>(u) * kGroupsPerPass;
-    const Index row = kBlockMajorK ? f % m : f / groups_per_row;
-    const Index g = kBlockMajorK ? f / m : f % groups_per_row;
-    offset[u] = row * k + g * kGroup + lane * kVec;
+    offset[u] = f * kGroup + lane * kVec;  // groups are enumerated row-major: f = row * groups_per_row + g
     raw[u] = f < num_groups ? LoadStreaming(x + offset[u]) : make_uint4(0, 0, 0, 0);
   }
 
@@ -144,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
       for (int i = 0; i < kVec; ++i) bytes[i] = kE4m3NaN;
     }
     StoreBytes<kVec>(x_q + offset[u], bytes);
-    if (lane == 0) x_sf[f] = scale;  // f is the scale's index in either layout
+    if (lane == 0) x_sf[kBlockMajorK ? (f % groups_per_row) * m + f / groups_per_row : f] = scale;
   }
 }
 
