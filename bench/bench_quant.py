@@ -26,13 +26,15 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=int, nargs="+", default=[1024, 4096, 16384], help="rows (tokens)")
   p.add_argument("--k", type=int, default=7168, help="hidden size, a multiple of 128")
-  p.add_argument("--calls", type=int, default=8, help="calls per jitted run (distinct inputs)")
-  p.add_argument("--runs", type=int, default=30, help="timed runs; the median is reported")
+  p.add_argument("--calls", type=int, default=16, help="calls per jitted run (distinct inputs)")
+  p.add_argument("--runs", type=int, default=40, help="timed runs; the median is reported")
+  p.add_argument("--repeats", type=int, default=2, help="time each variant this many times, interleaved, to show "
+                 "the spread between identical measurements")
   p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
   args = p.parse_args(argv)
 
   rows = []
-  print(f"{'M':>6} {'K':>6} {'layout':>11} {'impl':>9} {'us/call':>9} {'GB/s':>8}")
+  print(f"{'M':>6} {'K':>6} {'layout':>11} {'impl':>9} {'us/call':>9} {'GB/s':>8}   (median per call)")
   for m in args.m:
     k = args.k
     nbytes = m * k * 2 + m * k + (m * k // 128) * 4
@@ -41,15 +43,16 @@ def main(argv=None) -> int:
     sets = [tuple(jax.random.normal(jax.random.fold_in(key, 100 * s + i), (m, k), jnp.bfloat16)
                   for i in range(args.calls)) for s in range(2)]
     for block_major_k in (False, True):
-      for impl in ("ffi", "reference"):
-        fn = jax.jit(lambda *xs, impl=impl, bmk=block_major_k: [
-            quant.quantize_fp8_blockwise(x, block_major_k=bmk, impl=impl) for x in xs])
-        t = time_per_call(fn, sets, calls_per_run=args.calls, runs=args.runs)
-        gbps = nbytes / t["median_s"] / 1e9
-        layout = "[K/128,M]" if block_major_k else "[M,K/128]"
-        rows.append({"m": m, "k": k, "block_major_k": block_major_k, "impl": impl, "bytes": nbytes,
-                     "gb_per_s": gbps, **t})
-        print(f"{m:>6} {k:>6} {layout:>11} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}", flush=True)
+      fns = {impl: jax.jit(lambda *xs, impl=impl, bmk=block_major_k: [
+          quant.quantize_fp8_blockwise(x, block_major_k=bmk, impl=impl) for x in xs]) for impl in ("ffi", "reference")}
+      for repeat in range(args.repeats):
+        for impl, fn in fns.items():
+          t = time_per_call(fn, sets, calls_per_run=args.calls, runs=args.runs, warmup=10)
+          gbps = nbytes / t["median_s"] / 1e9
+          layout = "[K/128,M]" if block_major_k else "[M,K/128]"
+          rows.append({"m": m, "k": k, "block_major_k": block_major_k, "impl": impl, "repeat": repeat,
+                       "bytes": nbytes, "gb_per_s": gbps, **t})
+          print(f"{m:>6} {k:>6} {layout:>11} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}", flush=True)
     del sets
   path = write_result("quant_fp8_blockwise", {"unit": "GB/s (bytes read + written / median time)",
                                               "rows": rows}, args.out)
