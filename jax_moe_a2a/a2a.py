@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe_a2a import _ffi, layout
+
 # The "no expert" sentinel; equal to `jax_moe_a2a.routing.INVALID_EXPERT`. Defined here so that this module
 # imports nothing of ours beyond what the arrows of STYLE.md allow.
 INVALID_EXPERT = -1
@@ -78,15 +80,20 @@ class DispatchHandle:
   Attributes:
     send_slot: ``[num_tokens, num_ranks] int32``, per shard: the slot of each token on each destination rank,
       -1 where the token was not sent there.
+    recv_counts: ``[num_ranks] int32``, per shard: tokens this rank received from each source (what combine
+      sends back).
     axis_name: the expert mesh axis (static).
     num_ranks: its size (static).
     num_experts: global expert count (static).
+    workspace: the `Workspace` of the one-sided custom calls, or None for the reference path (static).
   """
 
   send_slot: jax.Array
+  recv_counts: jax.Array
   axis_name: Hashable
   num_ranks: int
   num_experts: int
+  workspace: Optional["Workspace"] = None
 
   @property
   def num_tokens(self) -> int:
@@ -97,8 +104,8 @@ class DispatchHandle:
     return self.num_experts // self.num_ranks
 
 
-jax.tree_util.register_dataclass(DispatchHandle, data_fields=["send_slot"],
-                                 meta_fields=["axis_name", "num_ranks", "num_experts"])
+jax.tree_util.register_dataclass(DispatchHandle, data_fields=["send_slot", "recv_counts"],
+                                 meta_fields=["axis_name", "num_ranks", "num_experts", "workspace"])
 
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks
@@ -218,9 +225,12 @@ class _DispatchStatic:
   num_experts: int
   x_dtype: Any
   x_sf_dtype: Any
+  workspace: Optional["Workspace"] = None
 
 
 def _dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
+  if st.workspace is not None:
+    return _ffi_dispatch_forward(st, x, x_sf, topk_ids, topk_weights)
   num_ranks = st.num_ranks
   local = st.num_experts // num_ranks
   topk_rank, send_slot = _route(topk_ids, st.num_experts, num_ranks)
@@ -243,7 +253,8 @@ def _dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
       recv_topk_weights=_exchange(send_w, ax),
       recv_counts=_exchange(send_counts, ax),
   )
-  handle = DispatchHandle(send_slot=send_slot, axis_name=ax, num_ranks=num_ranks, num_experts=st.num_experts)
+  handle = DispatchHandle(send_slot=send_slot, recv_counts=result.recv_counts, axis_name=ax, num_ranks=num_ranks,
+                          num_experts=st.num_experts)
   return (result, handle), (send_slot, topk_rank)
 
 
@@ -278,7 +289,8 @@ _dispatch.defvjp(_dispatch_forward, _dispatch_bwd)
 
 
 def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int,
-             axis_name: Hashable, x_sf: Optional[jax.Array] = None) -> tuple[DispatchResult, DispatchHandle]:
+             axis_name: Hashable, x_sf: Optional[jax.Array] = None, workspace: Optional["Workspace"] = None,
+             impl: str = "auto") -> tuple[DispatchResult, DispatchHandle]:
   """Sends each token once to every rank holding one of its valid top-k experts (per shard, in shard_map).
 
   Runs inside `jax.shard_map` over the expert axis `axis_name` of size ``num_ranks = R``; ``me`` is this
@@ -312,6 +324,10 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
     axis_name: the expert mesh axis.
     x_sf: optional ``[num_tokens, *sf_row]`` scales of x (float32 for blockwise FP8, one per 1x128 group;
       float8_e8m0fnu for MXFP8, one per 32; float8_e4m3fn for NVFP4, one per 16), same sharding; opaque data.
+    workspace: the `Workspace` of the one-sided custom call (created once, outside jit, for this mesh axis).
+    impl: "ffi" (the one-sided custom call jax_moe_a2a_dispatch; needs `workspace`), "reference" (the pure-JAX
+      twin on `jax.lax.all_to_all`) or "auto" (ffi when a workspace is given and the extension has handlers for
+      the backend). The handle remembers the choice for `combine`. Gradients use the twin's backward.
 
   Returns:
     ``(result, handle)``: the `DispatchResult` this rank received (``[num_ranks, num_tokens, ...]`` per shard)
@@ -341,8 +357,12 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
     raise ValueError(f"dispatch: num_experts must be a positive multiple of num_ranks={num_ranks} (the size of "
                      f"axis {axis_name!r}), got {num_experts!r}")
 
+  use_ffi = _resolve_a2a_impl("dispatch", impl, workspace)
+  if use_ffi:
+    workspace.check_dispatch(x, x_sf, top_k, num_ranks)
   st = _DispatchStatic(axis_name=axis_name, num_ranks=num_ranks, num_experts=int(num_experts),
-                       x_dtype=x.dtype, x_sf_dtype=None if x_sf is None else x_sf.dtype)
+                       x_dtype=x.dtype, x_sf_dtype=None if x_sf is None else x_sf.dtype,
+                       workspace=workspace if use_ffi else None)
   with jax.named_scope("moe_dispatch"):
     return _dispatch(st, x, x_sf, topk_ids, topk_weights)
 
@@ -357,21 +377,24 @@ class _CombineStatic:
   axis_name: Hashable
   expert_dtype: Any
   out_dtype: Any
+  workspace: Optional["Workspace"] = None
 
 
-def _combine_forward(st: _CombineStatic, expert_out, send_slot):
+def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts):
+  if st.workspace is not None:
+    return _ffi_combine(st, expert_out, send_slot, recv_counts), send_slot
   back = _exchange(expert_out, st.axis_name)
   return _sum_from_slots(back, send_slot).astype(st.out_dtype), send_slot
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(st, expert_out, send_slot):
-  return _combine_forward(st, expert_out, send_slot)[0]
+def _combine(st, expert_out, send_slot, recv_counts):
+  return _combine_forward(st, expert_out, send_slot, recv_counts)[0]
 
 
 def _combine_bwd(st: _CombineStatic, send_slot, ct_out):
   send = _scatter_to_slots(ct_out.astype(st.expert_dtype), send_slot, per_rank=False)
-  return _exchange(send, st.axis_name), None
+  return _exchange(send, st.axis_name), None, None
 
 
 _combine.defvjp(_combine_forward, _combine_bwd)
@@ -420,12 +443,221 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise ValueError(f"combine: out_dtype must be a floating dtype, got {out_dtype}")
 
-  st = _CombineStatic(axis_name=handle.axis_name, expert_dtype=expert_out.dtype, out_dtype=out_dtype)
+  st = _CombineStatic(axis_name=handle.axis_name, expert_dtype=expert_out.dtype, out_dtype=out_dtype,
+                      workspace=handle.workspace)
+  if handle.workspace is not None:
+    handle.workspace.check_combine(expert_out, out_dtype, num_ranks)
   with jax.named_scope("moe_combine"):
-    return _combine(st, expert_out, handle.send_slot)
+    return _combine(st, expert_out, handle.send_slot, handle.recv_counts)
 
 
 def _describe(a: Any) -> str:
   if hasattr(a, "shape") and hasattr(a, "dtype"):
     return f"shape {tuple(a.shape)} dtype {a.dtype}"
   return f"{type(a).__name__} {a!r}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One-sided custom calls: workspace and FFI path
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Workspace:
+  """The one-sided communication memory of every device on an expert axis of a mesh.
+
+  Create it once, outside `jit`, for the largest call it will serve; pass it to `dispatch` (and, through the
+  handle, to `combine`). Each device gets one block laid out by `layout.workspace_layout`: receive regions of
+  ``[num_ranks, capacity, ...]`` for every payload, the combine region, flags and epochs, twice (calls
+  alternate buffers). On GPUs the blocks are device memory with peer access enabled between the GPUs of an
+  expert group (one process driving them); on CPU they are host memory and the simulated devices of a group
+  meet at a process-wide rendezvous. Nothing is allocated, and no peer access enabled, inside a handler.
+
+  Use as a context manager or call `close()`; closing twice is harmless, using a closed workspace raises.
+  A call that times out waiting for a peer marks the workspace failed (its buffers may hold a half-finished
+  exchange); `check()` and every later call on it raise, naming the rank(s) that did not arrive.
+
+  Args:
+    mesh: the mesh the MoE layer runs on.
+    expert_axis: the mesh axis (or tuple of axes) of `dispatch`'s `axis_name`.
+    capacity: the largest per-shard token count T of a call.
+    hidden: activation width.
+    top_k: experts per token.
+    fmt: wire format (`layout.FORMATS`), sizing the activation and scale regions.
+    combine_dtype: dtype of combine's expert_out rows (bfloat16 or float32).
+    timeout_s: how long a rank waits for its peers before failing.
+    mx_alignment: see `layout.dispatch_layout`.
+  """
+
+  def __init__(self, mesh: jax.sharding.Mesh, *, expert_axis: Hashable, capacity: int, hidden: int, top_k: int,
+               fmt: str = layout.BF16, combine_dtype: Any = jnp.bfloat16, timeout_s: float = 10.0,
+               mx_alignment: Optional[int] = None):
+    axes = expert_axis if isinstance(expert_axis, tuple) else (expert_axis,)
+    for a in axes:
+      if a not in mesh.axis_names:
+        raise ValueError(f"Workspace: expert_axis must name axes of the mesh {tuple(mesh.axis_names)}, got {a!r}")
+    if not timeout_s > 0:
+      raise ValueError(f"Workspace: timeout_s must be > 0, got {timeout_s!r}")
+    combine_dtype = jnp.dtype(combine_dtype)
+    if combine_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+      raise ValueError(f"Workspace: combine_dtype must be bfloat16 or float32, got {combine_dtype}")
+    num_ranks = int(np.prod([mesh.shape[a] for a in axes]))
+    self.layout = layout.workspace_layout(num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
+                                          fmt=fmt, combine_dtype_bytes=combine_dtype.itemsize,
+                                          mx_alignment=mx_alignment)
+    self.expert_axis = expert_axis
+    self.num_ranks = num_ranks
+    self.combine_dtype = combine_dtype
+    self.timeout_s = float(timeout_s)
+    # Groups: one per instance of the expert axes; a device's rank is its index along them (major to minor).
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in names if a not in axes] + [names.index(a) for a in axes]
+    groups = np.transpose(mesh.devices, order).reshape(-1, num_ranks)
+    platforms = {d.platform for d in groups.flat}
+    if len(platforms) != 1:
+      raise ValueError(f"Workspace: the mesh must hold devices of one platform, got {sorted(platforms)}")
+    self.platform = platforms.pop()
+    if any(d.process_index != jax.process_index() for d in groups.flat):
+      raise NotImplementedError("Workspace: every device of the expert axis must belong to this process (one "
+                                "process driving all GPUs)")
+    ordinals = [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id) for d in g] for g in groups]
+    self._id: Optional[int] = int(_ffi.extension().workspace_create(
+        self.platform, ordinals, self.layout.total_bytes, int(self.timeout_s * 1e9)))
+    _ffi.register()
+
+  # Life cycle
+
+  @property
+  def id(self) -> int:
+    if self._id is None:
+      raise RuntimeError("Workspace: used after close(); create a new one")
+    return self._id
+
+  @property
+  def closed(self) -> bool:
+    return self._id is None
+
+  def close(self) -> None:
+    """Frees the memory (waiting for the devices to be idle); a second call does nothing."""
+    if self._id is not None:
+      _ffi.extension().workspace_destroy(self._id)
+      self._id = None
+
+  def __enter__(self) -> "Workspace":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  (interpreter shutdown)
+      pass
+
+  def check(self) -> None:
+    """Raises RuntimeError if a call on this workspace failed (e.g. a peer did not arrive in time)."""
+    failure = _ffi.extension().workspace_failure(self.id)
+    if failure:
+      raise RuntimeError(f"Workspace {self.id}: {failure}")
+
+  def __repr__(self) -> str:
+    state = "closed" if self._id is None else f"id={self._id}"
+    return (f"Workspace({state}, platform={self.platform}, expert_axis={self.expert_axis!r}, "
+            f"num_ranks={self.num_ranks}, capacity={self.layout.capacity}, fmt={self.layout.dispatch.fmt}, "
+            f"{self.layout.total_bytes / 2**20:.1f} MiB per device)")
+
+  # Trace-time checks of a call against the layout
+
+  def check_dispatch(self, x: jax.Array, x_sf: Optional[jax.Array], top_k: int, num_ranks: int) -> None:
+    d = self.layout.dispatch
+    num_tokens = x.shape[0]
+    x_row = int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize
+    sf_row = 0 if x_sf is None else int(np.prod(x_sf.shape[1:])) * jnp.dtype(x_sf.dtype).itemsize
+    problems = []
+    if num_ranks != self.num_ranks:
+      problems.append(f"num_ranks {num_ranks} (workspace: {self.num_ranks})")
+    if num_tokens > self.layout.capacity:
+      problems.append(f"num_tokens {num_tokens} > capacity {self.layout.capacity}")
+    if top_k != d.top_k:
+      problems.append(f"top_k {top_k} (workspace: {d.top_k})")
+    if x_row != d.x_bytes_per_token:
+      problems.append(f"x row of {x_row} bytes (workspace: {d.x_bytes_per_token}, format {d.fmt})")
+    if sf_row != d.x_sf_bytes_per_token:
+      problems.append(f"x_sf row of {sf_row} bytes (workspace: {d.x_sf_bytes_per_token}, format {d.fmt})")
+    if problems:
+      raise ValueError(f"dispatch: the call must fit the workspace, got {'; '.join(problems)}")
+    self.id  # pylint: disable=pointless-statement  (raises after close)
+
+  def check_combine(self, expert_out: jax.Array, out_dtype: Any, num_ranks: int) -> None:
+    hidden = expert_out.shape[-1]
+    if jnp.dtype(expert_out.dtype) != self.combine_dtype or hidden != self.layout.dispatch.hidden:
+      raise ValueError(f"combine: expert_out must be [num_ranks, num_tokens, {self.layout.dispatch.hidden}] "
+                       f"{self.combine_dtype} to fit the workspace, got {_describe(expert_out)}")
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+      raise ValueError(f"combine: out_dtype must be bfloat16 or float32 on the custom-call path, got {out_dtype}")
+    self.id  # pylint: disable=pointless-statement
+
+  def attrs(self, op: str) -> dict[str, np.int64]:
+    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, epochs and the id."""
+    off = self.layout.offsets()
+    common = {"buffer_stride": off["buf1.recv_x"] - off["buf0.recv_x"], "capacity": self.layout.capacity,
+              "num_ranks": self.num_ranks, "off_flags": off["flags"], "off_epochs": off["epochs"],
+              "workspace": self.id}
+    if op == "dispatch":
+      common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],
+                    off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"])
+    else:
+      common.update(off_combine=off["buf0.combine"])
+    return {k: np.int64(v) for k, v in common.items()}
+
+
+def _resolve_a2a_impl(op: str, impl: str, workspace: Optional[Workspace]) -> bool:
+  """Whether `op` takes the one-sided custom call."""
+  if impl == "reference":
+    return False
+  if workspace is None:
+    if impl == "ffi":
+      raise ValueError(f"{op}: impl='ffi' needs a workspace (a2a.Workspace(mesh, expert_axis=..., ...)), got None")
+    _ffi.resolve_impl(op, impl)  # validates impl and the environment override
+    return False
+  if not isinstance(workspace, Workspace):
+    raise ValueError(f"{op}: workspace must be an a2a.Workspace, got {type(workspace).__name__}")
+  return _ffi.resolve_impl(op, impl) == "ffi"
+
+
+def _varying(outs, like: jax.Array, axis_name: Hashable):
+  """Custom-call results inside shard_map vary over the axes their inputs vary over, and the expert axis."""
+  axes = set(getattr(jax.typeof(like), "vma", ()) or ())
+  axes.update(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+  axes = tuple(sorted(axes, key=str))
+  return jax.tree.map(lambda y: jax.lax.pcast(y, axes, to="varying") if set(axes) - set(
+      getattr(jax.typeof(y), "vma", ()) or ()) else y, outs)
+
+
+def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
+  num_ranks, num_tokens = st.num_ranks, x.shape[0]
+  top_k = topk_ids.shape[1]
+  sf = jnp.zeros((num_tokens, 0), jnp.uint8) if x_sf is None else x_sf
+  out = (jax.ShapeDtypeStruct((num_ranks,) + x.shape, x.dtype),
+         jax.ShapeDtypeStruct((num_ranks,) + sf.shape, sf.dtype),
+         jax.ShapeDtypeStruct((num_ranks, num_tokens, top_k), jnp.int32),
+         jax.ShapeDtypeStruct((num_ranks, num_tokens, top_k), jnp.float32),
+         jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+         jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.int32))
+  outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, has_side_effect=True,
+                       num_experts=np.int64(st.num_experts), **st.workspace.attrs("dispatch"))
+  recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, x, st.axis_name)
+  valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
+  topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), -1).astype(jnp.int32)
+  result = DispatchResult(recv_x=recv_x, recv_x_sf=None if x_sf is None else recv_sf, recv_topk_ids=recv_ids,
+                          recv_topk_weights=recv_w, recv_counts=recv_counts)
+  handle = DispatchHandle(send_slot=send_slot, recv_counts=recv_counts, axis_name=st.axis_name, num_ranks=num_ranks,
+                          num_experts=st.num_experts, workspace=st.workspace)
+  return (result, handle), (send_slot, topk_rank)
+
+
+def _ffi_combine(st: _CombineStatic, expert_out, send_slot, recv_counts):
+  out = jax.ShapeDtypeStruct((send_slot.shape[0], expert_out.shape[-1]), st.out_dtype)
+  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, has_side_effect=True,
+                    **st.workspace.attrs("combine"))
+  return _varying(y, expert_out, st.axis_name)

@@ -296,10 +296,11 @@ def test_jit_and_eager_agree_bit_for_bit():
   _check_against_oracle(jitted, _oracle(x, ids, w, num_experts))
 
 
-def test_handle_is_a_pytree_of_its_slots():
-  handle = a2a.DispatchHandle(send_slot=jnp.zeros((3, 2), jnp.int32), axis_name=AXIS, num_ranks=2, num_experts=6)
+def test_handle_is_a_pytree_of_its_slots_and_counts():
+  handle = a2a.DispatchHandle(send_slot=jnp.zeros((3, 2), jnp.int32), recv_counts=jnp.zeros((2,), jnp.int32),
+                              axis_name=AXIS, num_ranks=2, num_experts=6)
   leaves, treedef = jax.tree_util.tree_flatten(handle)
-  assert len(leaves) == 1 and leaves[0].shape == (3, 2)
+  assert len(leaves) == 2 and leaves[0].shape == (3, 2) and leaves[1].shape == (2,)
   rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
   assert (rebuilt.axis_name, rebuilt.num_ranks, rebuilt.num_experts) == (AXIS, 2, 6)
   assert (rebuilt.num_tokens, rebuilt.num_local_experts) == (3, 3)
@@ -617,6 +618,7 @@ def test_combine_rejects_a_foreign_handle_and_a_resized_axis():
     return a2a.combine(jnp.zeros((2, 3, 4), jnp.float32), {"send_slot": None})
   with pytest.raises(ValueError, match=r"combine: handle must be the DispatchHandle returned by dispatch, got dict"):
     _trace(body, _X)
-  handle = a2a.DispatchHandle(send_slot=jnp.zeros((3, 4), jnp.int32), axis_name=AXIS, num_ranks=4, num_experts=4)
+  handle = a2a.DispatchHandle(send_slot=jnp.zeros((3, 4), jnp.int32), recv_counts=jnp.zeros((4,), jnp.int32),
+                              axis_name=AXIS, num_ranks=4, num_experts=4)
   with pytest.raises(ValueError, match=r"combine: axis 'ep' must have the size it had at dispatch, 4, got 2"):
     _trace(lambda x: a2a.combine(jnp.zeros((2, 3, 4), jnp.float32), handle), _X)

@@ -1,9 +1,12 @@
 // module.cc -- the pybind11 module: hands the FFI handlers to Python as capsules, per platform.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
+#include <vector>
 
 #include "common.h"
+#include "workspace.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -11,9 +14,23 @@ namespace py = pybind11;
 
 // Handlers defined in the other translation units.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
 #endif
+
+namespace jax_moe_a2a {
+std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
+                               int64_t* id);
+#ifdef JAX_MOE_A2A_WITH_CUDA
+std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
+                                int64_t* id);
+#endif
+std::string DestroyWorkspace(int64_t id);
+}  // namespace jax_moe_a2a
 
 namespace jax_moe_a2a {
 
@@ -57,10 +74,14 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         py::dict platforms;
         py::dict cpu;
         cpu["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCpu);
+        cpu["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCpu);
+        cpu["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCpu);
         platforms["cpu"] = cpu;
 #ifdef JAX_MOE_A2A_WITH_CUDA
         py::dict cuda;
         cuda["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCuda);
+        cuda["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCuda);
+        cuda["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCuda);
         platforms["CUDA"] = cuda;
 #endif
         return platforms;
@@ -76,5 +97,35 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
 #endif
       },
       "Whether the CUDA handlers were built.");
+  m.def(
+      "workspace_create",
+      [](const std::string& platform, const std::vector<std::vector<int>>& devices, size_t bytes,
+         int64_t timeout_ns) {
+        int64_t id = 0;
+        std::string err;
+        if (platform == "cpu") {
+          err = jax_moe_a2a::CreateCpuWorkspace(devices, bytes, timeout_ns, &id);
+#ifdef JAX_MOE_A2A_WITH_CUDA
+        } else if (platform == "gpu") {
+          err = jax_moe_a2a::CreateCudaWorkspace(devices, bytes, timeout_ns, &id);
+#endif
+        } else {
+          err = "no workspace support for platform '" + platform + "' in this build";
+        }
+        if (!err.empty()) throw std::runtime_error("workspace_create: " + err);
+        return id;
+      },
+      py::arg("platform"), py::arg("devices"), py::arg("bytes"), py::arg("timeout_ns"),
+      "Allocates a one-sided workspace of `bytes` per device for devices[group][rank]; returns its id.");
+  m.def(
+      "workspace_destroy", [](int64_t id) { jax_moe_a2a::DestroyWorkspace(id); }, py::arg("id"),
+      "Frees a workspace (after the devices are idle); unknown ids are ignored.");
+  m.def(
+      "workspace_failure",
+      [](int64_t id) {
+        auto ws = jax_moe_a2a::FindWorkspace(id);
+        return ws == nullptr ? std::string() : ws->Failure();
+      },
+      py::arg("id"), "The sticky failure of a workspace, or an empty string.");
   m.attr("ffi_api_version") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }

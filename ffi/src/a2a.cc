@@ -1,0 +1,421 @@
+// a2a.cc -- handlers of jax_moe_a2a_dispatch and jax_moe_a2a_combine (CPU, and CUDA when built with it).
+//
+// NOTES (the contract is a2a.py's; these handlers reproduce the pure-JAX twin bit for bit):
+//   - Per rank `me` of an expert group of R ranks, T tokens, top_k experts, L = num_experts / R local experts:
+//     a token goes to rank r once if any of its valid experts (0 <= id < num_experts) lives there; its slot on
+//     r is the number of earlier tokens bound for r (exclusive prefix count), never an atomic counter.
+//   - One-sided: the source writes every payload straight into the destination's receive region, at
+//     [source rank, slot], in the buffer (call count & 1) of that op. Workspace rows are indexed with the
+//     workspace's capacity C >= T.
+//   - Double buffering: a source writes buffer b again only two calls later, which it reaches only after the
+//     rendezvous (CPU) or flag wait (GPU) of the call in between, and no rank passes that before it has finished
+//     reading buffer b. So one meeting per call suffices, for back-to-back calls and for many layers.
+//   - Receive side: rows j < count[s] are copied from the workspace to the outputs; padding rows get zero bits,
+//     ids -1 and weights 0.0, as the twin defines.
+//   - Combine sums, per token, float32(row from rank r) over r = 0, 1, ..., R-1 in that order, starting at +0.0.
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "workspace.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+#include "a2a_kernels.cuh"
+#endif
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr char kDispatchOp[] = "jax_moe_a2a_dispatch";
+constexpr char kCombineOp[] = "jax_moe_a2a_combine";
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shape checks and workspace geometry (shared by both platforms)
+// ---------------------------------------------------------------------------------------------------------------
+
+int64_t RowBytes(const ffi::AnyBuffer& b, int64_t leading) {
+  return leading == 0 ? 0 : static_cast<int64_t>(b.size_bytes()) / leading;
+}
+
+struct DispatchGeometry {
+  int64_t num_ranks, num_tokens, top_k, capacity, num_local_experts;
+  int64_t x_row, sf_row;  // bytes
+  // Workspace byte offsets of buffer 0; buffer b adds b * buffer_stride.
+  int64_t off_x, off_sf, off_ids, off_weights, off_counts, buffer_stride, off_flags, off_epochs;
+};
+
+ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
+                         const ffi::Buffer<ffi::F32>& weights, const ffi::AnyBuffer& recv_x,
+                         const ffi::AnyBuffer& recv_x_sf, const ffi::Buffer<ffi::S32>& recv_ids,
+                         const ffi::Buffer<ffi::F32>& recv_weights, const ffi::Buffer<ffi::S32>& recv_counts,
+                         const ffi::Buffer<ffi::S32>& send_slot, int64_t num_experts, DispatchGeometry* g) {
+  const auto id_dims = ids.dimensions();
+  if (id_dims.size() != 2) return InvalidArg(kDispatchOp, "topk_ids", "[T, top_k]", DimsToString(id_dims));
+  g->num_tokens = id_dims[0];
+  g->top_k = id_dims[1];
+  if (weights.dimensions().size() != 2 || weights.dimensions()[0] != g->num_tokens ||
+      weights.dimensions()[1] != g->top_k) {
+    return InvalidArg(kDispatchOp, "topk_weights", "[T, top_k] = " + DimsToString(id_dims),
+                      DimsToString(weights.dimensions()));
+  }
+  const int64_t t = g->num_tokens, r = g->num_ranks;
+  if (x.dimensions().size() == 0 || x.dimensions()[0] != t) {
+    return InvalidArg(kDispatchOp, "x", "[T = " + std::to_string(t) + ", ...]", DimsToString(x.dimensions()));
+  }
+  if (x_sf.dimensions().size() == 0 || x_sf.dimensions()[0] != t) {
+    return InvalidArg(kDispatchOp, "x_sf", "[T = " + std::to_string(t) + ", ...]", DimsToString(x_sf.dimensions()));
+  }
+  if (num_experts <= 0 || num_experts % r != 0) {
+    return InvalidArg(kDispatchOp, "num_experts", "a positive multiple of num_ranks = " + std::to_string(r),
+                      num_experts);
+  }
+  if (g->capacity < t) {
+    return InvalidArg(kDispatchOp, "capacity (the workspace's tokens per rank)", ">= T = " + std::to_string(t),
+                      g->capacity);
+  }
+  g->num_local_experts = num_experts / r;
+  g->x_row = RowBytes(x, t);
+  g->sf_row = RowBytes(x_sf, t);
+  auto expect = [&](const char* name, int64_t got_bytes, int64_t want_bytes, ffi::DataType got_dt,
+                    ffi::DataType want_dt) -> ffi::Error {
+    if (got_bytes != want_bytes || got_dt != want_dt) {
+      return InvalidArg(kDispatchOp, name, std::to_string(want_bytes) + " bytes of " + DataTypeName(want_dt),
+                        std::to_string(got_bytes) + " bytes of " + DataTypeName(got_dt));
+    }
+    return ffi::Error::Success();
+  };
+  if (auto e = expect("recv_x", recv_x.size_bytes(), r * t * g->x_row, recv_x.element_type(), x.element_type());
+      e.failure())
+    return e;
+  if (auto e = expect("recv_x_sf", recv_x_sf.size_bytes(), r * t * g->sf_row, recv_x_sf.element_type(),
+                      x_sf.element_type());
+      e.failure())
+    return e;
+  if (recv_ids.element_count() != static_cast<size_t>(r * t * g->top_k) ||
+      recv_weights.element_count() != static_cast<size_t>(r * t * g->top_k)) {
+    return InvalidArg(kDispatchOp, "recv_topk_ids/recv_topk_weights", "[R, T, top_k]",
+                      DimsToString(recv_ids.dimensions()));
+  }
+  if (recv_counts.element_count() != static_cast<size_t>(r)) {
+    return InvalidArg(kDispatchOp, "recv_counts", "[R = " + std::to_string(r) + "]",
+                      DimsToString(recv_counts.dimensions()));
+  }
+  if (send_slot.element_count() != static_cast<size_t>(t * r)) {
+    return InvalidArg(kDispatchOp, "send_slot", "[T, R]", DimsToString(send_slot.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// Bytes of a device's block that the dispatch touches: both buffers' regions, the flags and epochs.
+int64_t DispatchNeededBytes(const DispatchGeometry& g) {
+  const int64_t slots = g.num_ranks * g.capacity;
+  int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
+                          g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
+                          g.off_counts + g.num_ranks * 4});
+  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_epochs + 2 * 8});
+}
+
+std::string DispatchSignature(const DispatchGeometry& g, int64_t num_experts) {
+  std::ostringstream os;
+  os << "op=dispatch T=" << g.num_tokens << " top_k=" << g.top_k << " num_experts=" << num_experts
+     << " x_row_bytes=" << g.x_row << " x_sf_row_bytes=" << g.sf_row;
+  return os.str();
+}
+
+// Slots, in token order: slot[t * R + r] (-1: not sent), counts[r]. Returns the destinations of each token.
+void ComputeSlots(const int32_t* ids, int64_t t_count, int64_t top_k, int64_t num_ranks, int64_t local,
+                  int32_t* slot, std::vector<int32_t>* counts) {
+  counts->assign(num_ranks, 0);
+  const int64_t num_experts = local * num_ranks;
+  for (int64_t t = 0; t < t_count; ++t) {
+    int32_t* row = slot + t * num_ranks;
+    for (int64_t r = 0; r < num_ranks; ++r) row[r] = -1;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int64_t id = ids[t * top_k + k];
+      if (id >= 0 && id < num_experts) row[id / local] = 0;  // mark
+    }
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      if (row[r] == 0) row[r] = (*counts)[r]++;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// CPU
+// ---------------------------------------------------------------------------------------------------------------
+
+ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf, ffi::Buffer<ffi::S32> ids,
+                           ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                           ffi::Result<ffi::AnyBuffer> recv_x_sf, ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
+                           ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
+                           ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                           ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
+                           int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_epochs,
+                           int64_t off_flags, int64_t off_ids, int64_t off_weights, int64_t off_x,
+                           int64_t off_x_sf, int64_t workspace) {
+  DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
+                     buffer_stride, off_flags, off_epochs};
+  if (auto e = CheckDispatch(x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights, *recv_counts,
+                             *send_slot, num_experts, &g);
+      e.failure())
+    return e;
+  CallSite site;
+  if (auto e = ResolveCallSite(kDispatchOp, workspace, device, num_ranks, DispatchNeededBytes(g), false, &site);
+      e.failure())
+    return e;
+  Workspace& ws = *site.ws;
+  const int me = site.rank;
+  const int64_t t_count = g.num_tokens, top_k = g.top_k, local = g.num_local_experts, cap = g.capacity;
+  auto& calls = ws.calls[device][static_cast<int>(A2aOp::kDispatch)];
+  const int64_t buf = static_cast<int64_t>(calls & 1) * g.buffer_stride;
+
+  int32_t* slot = send_slot->typed_data();
+  std::vector<int32_t> counts;
+  ComputeSlots(ids.typed_data(), t_count, top_k, num_ranks, local, slot, &counts);
+
+  // Put: every routed token's payloads into its destinations' receive regions.
+  const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
+  const auto* sfp = static_cast<const uint8_t*>(x_sf.untyped_data());
+  const int32_t* idp = ids.typed_data();
+  const float* wp = weights.typed_data();
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      const int32_t j = slot[t * num_ranks + r];
+      if (j < 0) continue;
+      uint8_t* dst = ws.base[site.group][r] + buf;
+      const int64_t row = me * cap + j;
+      std::memcpy(dst + g.off_x + row * g.x_row, xp + t * g.x_row, g.x_row);
+      std::memcpy(dst + g.off_sf + row * g.sf_row, sfp + t * g.sf_row, g.sf_row);
+      auto* dst_ids = reinterpret_cast<int32_t*>(dst + g.off_ids) + row * top_k;
+      auto* dst_w = reinterpret_cast<float*>(dst + g.off_weights) + row * top_k;
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t id = idp[t * top_k + k];
+        const bool here = id >= 0 && id < num_experts && id / local == r;
+        dst_ids[k] = here ? static_cast<int32_t>(id - r * local) : -1;
+        dst_w[k] = here ? wp[t * top_k + k] : 0.0f;
+      }
+    }
+  }
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    reinterpret_cast<int32_t*>(ws.base[site.group][r] + buf + g.off_counts)[me] = counts[r];
+  }
+
+  // Meet: every rank of the group has put (the mutex orders the memory).
+  if (auto e = ws.rendezvous[site.group]->Arrive(me, DispatchSignature(g, num_experts), ws.timeout, kDispatchOp);
+      e.failure()) {
+    ws.Fail(e.message());
+    return e;
+  }
+
+  // Receive: copy the filled slots out, pad the rest.
+  const uint8_t* mine = ws.base[site.group][me] + buf;
+  const auto* got = reinterpret_cast<const int32_t*>(mine + g.off_counts);
+  auto* out_x = static_cast<uint8_t*>(recv_x->untyped_data());
+  auto* out_sf = static_cast<uint8_t*>(recv_x_sf->untyped_data());
+  int32_t* out_ids = recv_ids->typed_data();
+  float* out_w = recv_weights->typed_data();
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    const int64_t n = got[s];
+    recv_counts->typed_data()[s] = static_cast<int32_t>(n);
+    for (int64_t j = 0; j < t_count; ++j) {
+      const int64_t o = s * t_count + j, w = s * cap + j;
+      if (j < n) {
+        std::memcpy(out_x + o * g.x_row, mine + g.off_x + w * g.x_row, g.x_row);
+        std::memcpy(out_sf + o * g.sf_row, mine + g.off_sf + w * g.sf_row, g.sf_row);
+        std::memcpy(out_ids + o * top_k, mine + g.off_ids + w * top_k * 4, top_k * 4);
+        std::memcpy(out_w + o * top_k, mine + g.off_weights + w * top_k * 4, top_k * 4);
+      } else {
+        std::memset(out_x + o * g.x_row, 0, g.x_row);
+        std::memset(out_sf + o * g.sf_row, 0, g.sf_row);
+        for (int64_t k = 0; k < top_k; ++k) {
+          out_ids[o * top_k + k] = -1;
+          out_w[o * top_k + k] = 0.0f;
+        }
+      }
+    }
+  }
+  ++calls;
+  return ffi::Error::Success();
+}
+
+struct CombineGeometry {
+  int64_t num_ranks, num_tokens, hidden, capacity, in_bytes, out_bytes;
+  int64_t off_combine, buffer_stride, off_flags, off_epochs;
+};
+
+bool IsCombineFloat(ffi::DataType dt) { return dt == ffi::DataType::BF16 || dt == ffi::DataType::F32; }
+
+ffi::Error CheckCombine(const ffi::AnyBuffer& expert_out, const ffi::Buffer<ffi::S32>& recv_counts,
+                        const ffi::Buffer<ffi::S32>& send_slot, const ffi::AnyBuffer& out, CombineGeometry* g) {
+  const auto dims = expert_out.dimensions();
+  if (dims.size() != 3 || dims[0] != g->num_ranks) {
+    return InvalidArg(kCombineOp, "expert_out", "[R = " + std::to_string(g->num_ranks) + ", T, hidden]",
+                      DimsToString(dims));
+  }
+  g->num_tokens = dims[1];
+  g->hidden = dims[2];
+  if (!IsCombineFloat(expert_out.element_type())) {
+    return InvalidArg(kCombineOp, "expert_out", "bfloat16 or float32", DataTypeName(expert_out.element_type()));
+  }
+  if (!IsCombineFloat(out.element_type())) {
+    return InvalidArg(kCombineOp, "out", "bfloat16 or float32", DataTypeName(out.element_type()));
+  }
+  const auto od = out.dimensions();
+  if (od.size() != 2 || od[0] != g->num_tokens || od[1] != g->hidden) {
+    return InvalidArg(kCombineOp, "out", "[T, hidden]", DimsToString(od));
+  }
+  if (recv_counts.element_count() != static_cast<size_t>(g->num_ranks)) {
+    return InvalidArg(kCombineOp, "recv_counts", "[R]", DimsToString(recv_counts.dimensions()));
+  }
+  const auto sd = send_slot.dimensions();
+  if (sd.size() != 2 || sd[0] != g->num_tokens || sd[1] != g->num_ranks) {
+    return InvalidArg(kCombineOp, "send_slot", "[T, R]", DimsToString(sd));
+  }
+  if (g->capacity < g->num_tokens) {
+    return InvalidArg(kCombineOp, "capacity (the workspace's tokens per rank)",
+                      ">= T = " + std::to_string(g->num_tokens), g->capacity);
+  }
+  g->in_bytes = expert_out.element_type() == ffi::DataType::BF16 ? 2 : 4;
+  g->out_bytes = out.element_type() == ffi::DataType::BF16 ? 2 : 4;
+  return ffi::Error::Success();
+}
+
+int64_t CombineNeededBytes(const CombineGeometry& g) {
+  return std::max({g.off_combine + g.num_ranks * g.capacity * g.hidden * g.in_bytes + g.buffer_stride,
+                   g.off_flags + 2 * g.num_ranks * 8, g.off_epochs + 2 * 8});
+}
+
+std::string CombineSignature(const CombineGeometry& g) {
+  std::ostringstream os;
+  os << "op=combine T=" << g.num_tokens << " hidden=" << g.hidden << " in_bytes=" << g.in_bytes;
+  return os.str();
+}
+
+inline float LoadFloat(const uint8_t* p, int64_t bytes) {
+  float f;
+  if (bytes == 4) {
+    std::memcpy(&f, p, 4);
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    std::memcpy(&f, &bits, 4);
+  }
+  return f;
+}
+
+inline void StoreFloat(uint8_t* p, int64_t bytes, float f) {
+  if (bytes == 4) {
+    std::memcpy(p, &f, 4);
+    return;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint16_t h;
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+    h = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN (quiet)
+  } else {
+    h = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  // round to nearest even
+  }
+  std::memcpy(p, &h, 2);
+}
+
+ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer<ffi::S32> recv_counts,
+                          ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride,
+                          int64_t capacity, int64_t num_ranks, int64_t off_combine, int64_t off_epochs,
+                          int64_t off_flags, int64_t workspace) {
+  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_epochs};
+  if (auto e = CheckCombine(expert_out, recv_counts, send_slot, *out, &g); e.failure()) return e;
+  CallSite site;
+  if (auto e = ResolveCallSite(kCombineOp, workspace, device, num_ranks, CombineNeededBytes(g), false, &site);
+      e.failure())
+    return e;
+  Workspace& ws = *site.ws;
+  const int me = site.rank;
+  auto& calls = ws.calls[device][static_cast<int>(A2aOp::kCombine)];
+  const int64_t buf = static_cast<int64_t>(calls & 1) * g.buffer_stride;
+  const int64_t row_bytes = g.hidden * g.in_bytes, t_count = g.num_tokens, cap = g.capacity;
+
+  // Put: my rows for source s go back into s's combine region, at [me, slot].
+  const auto* src = static_cast<const uint8_t*>(expert_out.untyped_data());
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    const int64_t n = std::min<int64_t>(recv_counts.typed_data()[s], t_count);
+    uint8_t* dst = ws.base[site.group][s] + buf + g.off_combine + me * cap * row_bytes;
+    std::memcpy(dst, src + s * t_count * row_bytes, std::max<int64_t>(n, 0) * row_bytes);
+  }
+  if (auto e = ws.rendezvous[site.group]->Arrive(me, CombineSignature(g), ws.timeout, kCombineOp); e.failure()) {
+    ws.Fail(e.message());
+    return e;
+  }
+  // Reduce: float32, ranks in ascending order.
+  const uint8_t* mine = ws.base[site.group][me] + buf + g.off_combine;
+  const int32_t* slot = send_slot.typed_data();
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  std::vector<float> acc(g.hidden);
+  for (int64_t t = 0; t < t_count; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      const int32_t j = slot[t * num_ranks + r];
+      if (j < 0) continue;
+      const uint8_t* row = mine + (r * cap + j) * row_bytes;
+      for (int64_t h = 0; h < g.hidden; ++h) acc[h] += LoadFloat(row + h * g.in_bytes, g.in_bytes);
+    }
+    for (int64_t h = 0; h < g.hidden; ++h) StoreFloat(dst + (t * g.hidden + h) * g.out_bytes, g.out_bytes, acc[h]);
+  }
+  ++calls;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+}  // namespace jax_moe_a2a
+
+// Attributes are listed in alphabetical order of their names.
+#define JAX_MOE_A2A_DISPATCH_BINDING(platform_ctx)                        \
+  xla::ffi::Ffi::Bind() platform_ctx                                      \
+      .Ctx<xla::ffi::DeviceOrdinal>()         /* device */                \
+      .Arg<xla::ffi::AnyBuffer>()             /* x [T, ...] */            \
+      .Arg<xla::ffi::AnyBuffer>()             /* x_sf [T, ...] */         \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* topk_ids [T, K] */       \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>() /* topk_weights [T, K] */   \
+      .Ret<xla::ffi::AnyBuffer>()             /* recv_x [R, T, ...] */    \
+      .Ret<xla::ffi::AnyBuffer>()             /* recv_x_sf [R, T, ...] */ \
+      .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_topk_ids */         \
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>() /* recv_topk_weights */     \
+      .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_counts [R] */       \
+      .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */      \
+      .Attr<int64_t>("buffer_stride")                                     \
+      .Attr<int64_t>("capacity")                                          \
+      .Attr<int64_t>("num_experts")                                       \
+      .Attr<int64_t>("num_ranks")                                         \
+      .Attr<int64_t>("off_counts")                                        \
+      .Attr<int64_t>("off_epochs")                                        \
+      .Attr<int64_t>("off_flags")                                         \
+      .Attr<int64_t>("off_ids")                                           \
+      .Attr<int64_t>("off_weights")                                       \
+      .Attr<int64_t>("off_x")                                             \
+      .Attr<int64_t>("off_x_sf")                                          \
+      .Attr<int64_t>("workspace")
+
+#define JAX_MOE_A2A_COMBINE_BINDING(platform_ctx)                          \
+  xla::ffi::Ffi::Bind() platform_ctx                                       \
+      .Ctx<xla::ffi::DeviceOrdinal>()         /* device */                 \
+      .Arg<xla::ffi::AnyBuffer>()             /* expert_out [R, T, H] */   \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_counts [R] */        \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */       \
+      .Ret<xla::ffi::AnyBuffer>()             /* out [T, H] */             \
+      .Attr<int64_t>("buffer_stride")                                      \
+      .Attr<int64_t>("capacity")                                           \
+      .Attr<int64_t>("num_ranks")                                          \
+      .Attr<int64_t>("off_combine")                                        \
+      .Attr<int64_t>("off_epochs")                                         \
+      .Attr<int64_t>("off_flags")                                          \
+      .Attr<int64_t>("workspace")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu, jax_moe_a2a::DispatchCpuImpl, JAX_MOE_A2A_DISPATCH_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu, jax_moe_a2a::CombineCpuImpl, JAX_MOE_A2A_COMBINE_BINDING());

@@ -1,0 +1,302 @@
+// workspace.cc -- workspace registry, CPU rendezvous, and creation/destruction of workspaces (CPU and CUDA).
+#include "workspace.h"
+
+#include <cstring>
+#include <sstream>
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace jax_moe_a2a {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Rendezvous
+// ---------------------------------------------------------------------------------------------------------------
+
+ffi::Error Rendezvous::Arrive(int rank, const std::string& signature, std::chrono::nanoseconds timeout,
+                              const std::string& op_name) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t generation = generation_;
+  if (count_ == 0) {
+    first_signature_ = signature;
+    mismatch_.clear();
+  } else if (signature != first_signature_ && mismatch_.empty()) {
+    mismatch_ = op_name + ": ranks of one expert group called with different arguments: rank " +
+                std::to_string(rank) + " has {" + signature + "}, an earlier rank has {" + first_signature_ + "}";
+  }
+  arrived_[rank] = true;
+  if (++count_ == num_ranks_) {
+    last_mismatch_ = mismatch_;
+    count_ = 0;
+    arrived_.assign(num_ranks_, false);
+    ++generation_;
+    cv_.notify_all();
+  } else if (!cv_.wait_for(lock, timeout, [&] { return generation_ != generation; })) {
+    std::ostringstream missing;
+    int n = 0;
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (!arrived_[r]) missing << (n++ ? ", " : "") << r;
+    }
+    arrived_[rank] = false;  // withdraw, so the meeting point itself stays consistent
+    --count_;
+    std::ostringstream os;
+    os << op_name << ": rank " << rank << " waited " << std::chrono::duration<double>(timeout).count()
+       << " s for rank(s) [" << missing.str() << "] of its expert group, which did not arrive";
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, os.str());
+  }
+  if (!last_mismatch_.empty()) return ffi::Error::InvalidArgument(last_mismatch_);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Workspace and registry
+// ---------------------------------------------------------------------------------------------------------------
+
+void Workspace::Fail(const std::string& why) {
+  std::lock_guard<std::mutex> lock(failure_mu);
+  if (!failed.load()) failure = why;
+  failed.store(true);
+}
+
+std::string Workspace::Failure() {
+  std::lock_guard<std::mutex> lock(failure_mu);
+  return failure;
+}
+
+namespace {
+std::mutex g_registry_mu;
+std::map<int64_t, std::shared_ptr<Workspace>> g_registry;
+int64_t g_next_id = 1;
+}  // namespace
+
+std::shared_ptr<Workspace> FindWorkspace(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = g_registry.find(id);
+  return it == g_registry.end() ? nullptr : it->second;
+}
+
+int64_t RegisterWorkspace(std::shared_ptr<Workspace> ws) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  ws->id = g_next_id++;
+  g_registry[ws->id] = ws;
+  return ws->id;
+}
+
+std::shared_ptr<Workspace> UnregisterWorkspace(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = g_registry.find(id);
+  if (it == g_registry.end()) return nullptr;
+  auto ws = it->second;
+  g_registry.erase(it);
+  return ws;
+}
+
+ffi::Error ResolveCallSite(const char* op, int64_t ws_id, int device, int64_t num_ranks, int64_t needed_bytes,
+                           bool cuda, CallSite* site) {
+  site->ws = FindWorkspace(ws_id);
+  Workspace* ws = site->ws.get();
+  if (ws == nullptr) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": workspace " + std::to_string(ws_id) +
+                                       " does not exist (closed, or never created in this process)");
+  }
+  if (ws->cuda != cuda) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": workspace " + std::to_string(ws_id) + " was created for " +
+                                       (ws->cuda ? "GPUs" : "CPU devices") + ", called on " +
+                                       (cuda ? "a GPU" : "a CPU device"));
+  }
+  if (ws->failed.load()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": workspace " + std::to_string(ws_id) + " is unusable after an earlier "
+                      "failure (" + ws->Failure() + "); close it and create a new one");
+  }
+  auto it = ws->slot_of_device.find(device);
+  if (it == ws->slot_of_device.end()) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": device " + std::to_string(device) +
+                                       " is not part of workspace " + std::to_string(ws_id));
+  }
+  site->group = it->second.first;
+  site->rank = it->second.second;
+  if (num_ranks != ws->num_ranks) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": num_ranks must be the workspace's " +
+                                       std::to_string(ws->num_ranks) + ", got " + std::to_string(num_ranks));
+  }
+  if (needed_bytes < 0 || static_cast<size_t>(needed_bytes) > ws->bytes) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the call needs " + std::to_string(needed_bytes) +
+                                       " workspace bytes per device, workspace " + std::to_string(ws_id) +
+                                       " has " + std::to_string(ws->bytes) + " (too small; size it with "
+                                       "layout.workspace_layout for this call's shapes)");
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Creation and destruction (host side, outside jit)
+// ---------------------------------------------------------------------------------------------------------------
+
+namespace {
+
+std::string CheckGroups(const std::vector<std::vector<int>>& devices) {
+  if (devices.empty() || devices[0].empty()) return "devices must be a non-empty [groups][ranks] table";
+  std::map<int, int> seen;
+  for (const auto& group : devices) {
+    if (group.size() != devices[0].size()) return "every group must have the same number of ranks";
+    for (int d : group) {
+      if (d < 0) return "device ordinals must be >= 0";
+      if (seen[d]++) return "device " + std::to_string(d) + " appears twice";
+    }
+  }
+  return "";
+}
+
+std::shared_ptr<Workspace> NewWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes,
+                                        int64_t timeout_ns, bool cuda) {
+  auto ws = std::make_shared<Workspace>();
+  ws->cuda = cuda;
+  ws->num_ranks = static_cast<int>(devices[0].size());
+  ws->bytes = bytes;
+  ws->timeout = std::chrono::nanoseconds(timeout_ns);
+  ws->devices = devices;
+  ws->base.assign(devices.size(), std::vector<uint8_t*>(ws->num_ranks, nullptr));
+  for (size_t g = 0; g < devices.size(); ++g) {
+    for (int r = 0; r < ws->num_ranks; ++r) {
+      ws->slot_of_device[devices[g][r]] = {static_cast<int>(g), r};
+      ws->calls[devices[g][r]] = {0, 0};
+    }
+  }
+  return ws;
+}
+
+}  // namespace
+
+std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
+                               int64_t* id) {
+  if (std::string err = CheckGroups(devices); !err.empty()) return err;
+  auto ws = NewWorkspace(devices, bytes, timeout_ns, /*cuda=*/false);
+  for (size_t g = 0; g < devices.size(); ++g) {
+    ws->rendezvous.push_back(std::make_unique<Rendezvous>(ws->num_ranks));
+    for (int r = 0; r < ws->num_ranks; ++r) {
+      ws->host_blocks.emplace_back(new uint8_t[bytes > 0 ? bytes : 1]());
+      ws->base[g][r] = ws->host_blocks.back().get();
+    }
+  }
+  *id = RegisterWorkspace(ws);
+  return "";
+}
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+
+namespace {
+std::string CudaMessage(const char* what, cudaError_t err) {
+  return std::string(what) + " failed: " + cudaGetErrorString(err);
+}
+
+void FreeCuda(Workspace* ws) {
+  for (size_t g = 0; g < ws->devices.size(); ++g) {
+    for (int r = 0; r < ws->num_ranks; ++r) {
+      if (ws->base[g][r] != nullptr) {
+        cudaSetDevice(ws->devices[g][r]);
+        cudaFree(ws->base[g][r]);
+        ws->base[g][r] = nullptr;
+      }
+    }
+  }
+  for (int* p : ws->cuda_error_host) cudaFreeHost(p);
+  ws->cuda_error_host.clear();
+  ws->cuda_error_dev.clear();
+}
+}  // namespace
+
+std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
+                                int64_t* id) {
+  if (std::string err = CheckGroups(devices); !err.empty()) return err;
+  auto ws = NewWorkspace(devices, bytes, timeout_ns, /*cuda=*/true);
+  int previous = 0;
+  cudaGetDevice(&previous);
+  std::string err;
+  int max_ordinal = 0;
+  for (const auto& group : devices)
+    for (int d : group) max_ordinal = std::max(max_ordinal, d);
+  ws->cuda_num_sms.assign(max_ordinal + 1, 0);
+  ws->cuda_error_host.assign(max_ordinal + 1, nullptr);
+  ws->cuda_error_dev.assign(max_ordinal + 1, nullptr);
+  for (size_t g = 0; g < devices.size() && err.empty(); ++g) {
+    for (int r = 0; r < ws->num_ranks && err.empty(); ++r) {
+      const int d = devices[g][r];
+      cudaError_t e;
+      if ((e = cudaSetDevice(d)) != cudaSuccess) { err = CudaMessage("cudaSetDevice", e); break; }
+      cudaDeviceGetAttribute(&ws->cuda_num_sms[d], cudaDevAttrMultiProcessorCount, d);
+      void* p = nullptr;
+      if ((e = cudaMalloc(&p, bytes)) != cudaSuccess) { err = CudaMessage("cudaMalloc", e); break; }
+      ws->base[g][r] = static_cast<uint8_t*>(p);
+      if ((e = cudaMemset(p, 0, bytes)) != cudaSuccess) { err = CudaMessage("cudaMemset", e); break; }
+      int* host = nullptr;
+      if ((e = cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(int),
+                             cudaHostAllocMapped | cudaHostAllocPortable)) != cudaSuccess) {
+        err = CudaMessage("cudaHostAlloc", e);
+        break;
+      }
+      *host = 0;
+      ws->cuda_error_host[d] = host;
+      int* dev = nullptr;
+      if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0)) != cudaSuccess) {
+        err = CudaMessage("cudaHostGetDevicePointer", e);
+        break;
+      }
+      ws->cuda_error_dev[d] = dev;
+      for (int peer : devices[g]) {
+        if (peer == d) continue;
+        int can = 0;
+        cudaDeviceCanAccessPeer(&can, d, peer);
+        if (!can) {
+          err = "GPU " + std::to_string(d) + " cannot access GPU " + std::to_string(peer) + " as a peer";
+          break;
+        }
+        e = cudaDeviceEnablePeerAccess(peer, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+        } else if (e != cudaSuccess) {
+          err = CudaMessage("cudaDeviceEnablePeerAccess", e);
+          break;
+        }
+      }
+    }
+  }
+  for (const auto& group : devices) {
+    for (int d : group) {
+      cudaSetDevice(d);
+      cudaError_t e = cudaDeviceSynchronize();
+      if (err.empty() && e != cudaSuccess) err = CudaMessage("cudaDeviceSynchronize", e);
+    }
+  }
+  cudaSetDevice(previous);
+  if (!err.empty()) {
+    FreeCuda(ws.get());
+    return err;
+  }
+  *id = RegisterWorkspace(ws);
+  return "";
+}
+#endif
+
+std::string DestroyWorkspace(int64_t id) {
+  auto ws = UnregisterWorkspace(id);
+  if (ws == nullptr) return "";  // closing twice is harmless
+#ifdef JAX_MOE_A2A_WITH_CUDA
+  if (ws->cuda) {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    for (const auto& group : ws->devices) {
+      for (int d : group) {
+        cudaSetDevice(d);
+        cudaDeviceSynchronize();  // no kernel may still touch the memory
+      }
+    }
+    FreeCuda(ws.get());
+    cudaSetDevice(previous);
+  }
+#endif
+  return "";
+}
+
+}  // namespace jax_moe_a2a
