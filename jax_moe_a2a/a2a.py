@@ -598,10 +598,10 @@ class Workspace:
     self.id  # pylint: disable=pointless-statement
 
   def attrs(self, op: str) -> dict[str, np.int64]:
-    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, epochs and the id."""
+    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync words and the id."""
     off = self.layout.offsets()
     common = {"buffer_stride": off["buf1.recv_x"] - off["buf0.recv_x"], "capacity": self.layout.capacity,
-              "num_ranks": self.num_ranks, "off_flags": off["flags"], "off_epochs": off["epochs"],
+              "num_ranks": self.num_ranks, "off_flags": off["flags"], "off_sync": off["sync"],
               "workspace": self.id}
     if op == "dispatch":
       common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],

@@ -173,8 +173,9 @@ def dispatch_layout(hidden: int, fmt: str, *, top_k: int = 1,
 # Every region starts on this boundary (bytes): 16-byte vector stores and TMA both need less; 128 keeps each
 # region on its own cache lines.
 REGION_ALIGNMENT = 128
-# Flags and epochs are 8-byte words.
+# Flags, epochs and arrival counters are 8-byte words; each op has SYNC_WORDS of them in the sync region.
 FLAG_BYTES = 8
+SYNC_WORDS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +207,9 @@ class WorkspaceLayout:
 
   Shared by all buffers:
 
-  - ``flags``  [num_flag_kinds = 2, num_ranks] uint64: per-source epoch flags of dispatch and combine;
-  - ``epochs`` [2] uint64: this rank's completed dispatch and combine epochs (advanced by the kernels).
+  - ``flags`` [2, num_ranks] uint64: per-source epoch flags of dispatch and combine, written by the peers;
+  - ``sync``  [2, 4] uint64 then [num_ranks] int32: per op this rank's completed epoch (advanced by the
+    kernels) and two arrival counters of its kernels' blocks, then the send counts of the current dispatch.
 
   Attributes:
     num_ranks, capacity: the sizes the layout was computed for.
@@ -270,7 +272,7 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
   )
   shared = (
       ("flags", 2 * num_ranks * FLAG_BYTES),
-      ("epochs", 2 * FLAG_BYTES),
+      ("sync", 2 * SYNC_WORDS * FLAG_BYTES + 4 * num_ranks),
   )
   named = [(f"buf{b}.{name}", size) for b in range(num_buffers) for name, size in per_buffer] + list(shared)
   regions = []

@@ -38,6 +38,9 @@ constexpr char kCombineOp[] = "jax_moe_a2a_combine";
 // Shape checks and workspace geometry (shared by both platforms)
 // ---------------------------------------------------------------------------------------------------------------
 
+// The sync region: per op {epoch, put arrivals, receive arrivals, spare} uint64, then [R] int32 send counts.
+int64_t SyncBytes(int64_t num_ranks) { return 2 * 4 * 8 + 4 * num_ranks; }
+
 int64_t RowBytes(const ffi::AnyBuffer& b, int64_t leading) {
   return leading == 0 ? 0 : static_cast<int64_t>(b.size_bytes()) / leading;
 }
@@ -46,7 +49,7 @@ struct DispatchGeometry {
   int64_t num_ranks, num_tokens, top_k, capacity, num_local_experts;
   int64_t x_row, sf_row;  // bytes
   // Workspace byte offsets of buffer 0; buffer b adds b * buffer_stride.
-  int64_t off_x, off_sf, off_ids, off_weights, off_counts, buffer_stride, off_flags, off_epochs;
+  int64_t off_x, off_sf, off_ids, off_weights, off_counts, buffer_stride, off_flags, off_sync;
 };
 
 ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
@@ -117,7 +120,7 @@ int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
                           g.off_counts + g.num_ranks * 4});
-  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_epochs + 2 * 8});
+  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes(g.num_ranks)});
 }
 
 std::string DispatchSignature(const DispatchGeometry& g, int64_t num_experts) {
@@ -155,11 +158,11 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                           int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_epochs,
-                           int64_t off_flags, int64_t off_ids, int64_t off_weights, int64_t off_x,
+                           int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_flags,
+                           int64_t off_ids, int64_t off_sync, int64_t off_weights, int64_t off_x,
                            int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     buffer_stride, off_flags, off_epochs};
+                     buffer_stride, off_flags, off_sync};
   if (auto e = CheckDispatch(x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights, *recv_counts,
                              *send_slot, num_experts, &g);
       e.failure())
@@ -245,7 +248,7 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
 
 struct CombineGeometry {
   int64_t num_ranks, num_tokens, hidden, capacity, in_bytes, out_bytes;
-  int64_t off_combine, buffer_stride, off_flags, off_epochs;
+  int64_t off_combine, buffer_stride, off_flags, off_sync;
 };
 
 bool IsCombineFloat(ffi::DataType dt) { return dt == ffi::DataType::BF16 || dt == ffi::DataType::F32; }
@@ -287,7 +290,7 @@ ffi::Error CheckCombine(const ffi::AnyBuffer& expert_out, const ffi::Buffer<ffi:
 
 int64_t CombineNeededBytes(const CombineGeometry& g) {
   return std::max({g.off_combine + g.num_ranks * g.capacity * g.hidden * g.in_bytes + g.buffer_stride,
-                   g.off_flags + 2 * g.num_ranks * 8, g.off_epochs + 2 * 8});
+                   g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes(g.num_ranks)});
 }
 
 std::string CombineSignature(const CombineGeometry& g) {
@@ -327,9 +330,9 @@ inline void StoreFloat(uint8_t* p, int64_t bytes, float f) {
 
 ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer<ffi::S32> recv_counts,
                           ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride,
-                          int64_t capacity, int64_t num_ranks, int64_t off_combine, int64_t off_epochs,
-                          int64_t off_flags, int64_t workspace) {
-  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_epochs};
+                          int64_t capacity, int64_t num_ranks, int64_t off_combine, int64_t off_flags,
+                          int64_t off_sync, int64_t workspace) {
+  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_sync};
   if (auto e = CheckCombine(expert_out, recv_counts, send_slot, *out, &g); e.failure()) return e;
   CallSite site;
   if (auto e = ResolveCallSite(kCombineOp, workspace, device, num_ranks, CombineNeededBytes(g), false, &site);
@@ -371,6 +374,142 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// CUDA
+// ---------------------------------------------------------------------------------------------------------------
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+
+// 16-bit FNV-1a of a call's signature: carried in the flags, so a peer that called with other shapes is caught.
+uint32_t Signature16(const std::string& s) {
+  uint32_t h = 2166136261u;
+  for (unsigned char c : s) h = (h ^ c) * 16777619u;
+  return (h ^ (h >> 16)) & 0xFFFFu;
+}
+
+// Makes `device` current for the launch and restores the previous device afterwards.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+    device_ = device;
+  }
+  ~ScopedDevice() {
+    if (previous_ != device_ && previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+  int device_ = -1;
+};
+
+PeerBases Peers(const Workspace& ws, int group) {
+  PeerBases peers{};
+  for (int r = 0; r < ws.num_ranks; ++r) peers.base[r] = ws.base[group][r];
+  return peers;
+}
+
+ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf,
+                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
+                            ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_sf,
+                            ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
+                            ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
+                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
+                            int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_flags,
+                            int64_t off_ids, int64_t off_sync, int64_t off_weights, int64_t off_x,
+                            int64_t off_x_sf, int64_t workspace) {
+  DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
+                     buffer_stride, off_flags, off_sync};
+  if (auto e = CheckDispatch(x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights, *recv_counts,
+                             *send_slot, num_experts, &g);
+      e.failure())
+    return e;
+  if (num_ranks > kMaxRanks) return InvalidArg(kDispatchOp, "num_ranks", "<= " + std::to_string(kMaxRanks), num_ranks);
+  CallSite site;
+  if (auto e = ResolveCallSite(kDispatchOp, workspace, device, num_ranks, DispatchNeededBytes(g), true, &site);
+      e.failure())
+    return e;
+  if (g.num_tokens == 0) return ffi::Error::Success();
+  Workspace& ws = *site.ws;
+  DispatchParams p{};
+  p.peers = Peers(ws, site.group);
+  p.me = site.rank;
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.capacity = g.capacity;
+  p.num_tokens = g.num_tokens;
+  p.top_k = g.top_k;
+  p.num_experts = num_experts;
+  p.x_row = g.x_row;
+  p.sf_row = g.sf_row;
+  p.x = static_cast<const uint8_t*>(x.untyped_data());
+  p.x_sf = static_cast<const uint8_t*>(x_sf.untyped_data());
+  p.ids = ids.typed_data();
+  p.weights = weights.typed_data();
+  p.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+  p.recv_sf = static_cast<uint8_t*>(recv_x_sf->untyped_data());
+  p.recv_ids = recv_ids->typed_data();
+  p.recv_weights = recv_weights->typed_data();
+  p.recv_counts = recv_counts->typed_data();
+  p.send_slot = send_slot->typed_data();
+  p.off_x = g.off_x;
+  p.off_sf = g.off_sf;
+  p.off_ids = g.off_ids;
+  p.off_weights = g.off_weights;
+  p.off_counts = g.off_counts;
+  p.buffer_stride = g.buffer_stride;
+  p.off_flags = g.off_flags;
+  p.off_sync = g.off_sync;
+  p.timeout_ns = ws.timeout.count();
+  p.signature = Signature16(DispatchSignature(g, num_experts));
+  p.error = ws.cuda_error_dev[device];
+  ScopedDevice scoped(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchDispatch(stream, ws.cuda_num_sms[device], p));
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_out,
+                           ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> send_slot,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride, int64_t capacity,
+                           int64_t num_ranks, int64_t off_combine, int64_t off_flags, int64_t off_sync,
+                           int64_t workspace) {
+  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_sync};
+  if (auto e = CheckCombine(expert_out, recv_counts, send_slot, *out, &g); e.failure()) return e;
+  if (num_ranks > kMaxRanks) return InvalidArg(kCombineOp, "num_ranks", "<= " + std::to_string(kMaxRanks), num_ranks);
+  CallSite site;
+  if (auto e = ResolveCallSite(kCombineOp, workspace, device, num_ranks, CombineNeededBytes(g), true, &site);
+      e.failure())
+    return e;
+  if (g.num_tokens == 0) return ffi::Error::Success();
+  Workspace& ws = *site.ws;
+  CombineParams p{};
+  p.peers = Peers(ws, site.group);
+  p.me = site.rank;
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.capacity = g.capacity;
+  p.num_tokens = g.num_tokens;
+  p.hidden = g.hidden;
+  p.in_bytes = g.in_bytes;
+  p.out_bytes = g.out_bytes;
+  p.expert_out = static_cast<const uint8_t*>(expert_out.untyped_data());
+  p.recv_counts = recv_counts.typed_data();
+  p.send_slot = send_slot.typed_data();
+  p.out = static_cast<uint8_t*>(out->untyped_data());
+  p.off_combine = g.off_combine;
+  p.buffer_stride = g.buffer_stride;
+  p.off_flags = g.off_flags;
+  p.off_sync = g.off_sync;
+  p.timeout_ns = ws.timeout.count();
+  p.signature = Signature16(CombineSignature(g));
+  p.error = ws.cuda_error_dev[device];
+  ScopedDevice scoped(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchCombine(stream, ws.cuda_num_sms[device], p));
+  return ffi::Error::Success();
+}
+
+#endif  // JAX_MOE_A2A_WITH_CUDA
+
 }  // namespace
 
 }  // namespace jax_moe_a2a
@@ -394,9 +533,9 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
       .Attr<int64_t>("num_experts")                                       \
       .Attr<int64_t>("num_ranks")                                         \
       .Attr<int64_t>("off_counts")                                        \
-      .Attr<int64_t>("off_epochs")                                        \
       .Attr<int64_t>("off_flags")                                         \
       .Attr<int64_t>("off_ids")                                           \
+      .Attr<int64_t>("off_sync")                                          \
       .Attr<int64_t>("off_weights")                                       \
       .Attr<int64_t>("off_x")                                             \
       .Attr<int64_t>("off_x_sf")                                          \
@@ -413,9 +552,18 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
       .Attr<int64_t>("capacity")                                           \
       .Attr<int64_t>("num_ranks")                                          \
       .Attr<int64_t>("off_combine")                                        \
-      .Attr<int64_t>("off_epochs")                                         \
       .Attr<int64_t>("off_flags")                                          \
+      .Attr<int64_t>("off_sync")                                           \
       .Attr<int64_t>("workspace")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu, jax_moe_a2a::DispatchCpuImpl, JAX_MOE_A2A_DISPATCH_BINDING());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu, jax_moe_a2a::CombineCpuImpl, JAX_MOE_A2A_COMBINE_BINDING());
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda, jax_moe_a2a::DispatchCudaImpl,
+                              JAX_MOE_A2A_DISPATCH_BINDING(.Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda, jax_moe_a2a::CombineCudaImpl,
+                              JAX_MOE_A2A_COMBINE_BINDING(.Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif

@@ -1,6 +1,8 @@
 // workspace.cc -- workspace registry, CPU rendezvous, and creation/destruction of workspaces (CPU and CUDA).
 #include "workspace.h"
 
+#include "a2a_protocol.h"
+
 #include <cstring>
 #include <sstream>
 
@@ -60,8 +62,27 @@ void Workspace::Fail(const std::string& why) {
 }
 
 std::string Workspace::Failure() {
+  PollDeviceErrors();
   std::lock_guard<std::mutex> lock(failure_mu);
   return failure;
+}
+
+void Workspace::PollDeviceErrors() {
+  if (!cuda || failed.load()) return;
+  for (const auto& [device, where] : slot_of_device) {
+    const int code = *reinterpret_cast<volatile int*>(cuda_error_host[device]);
+    if (code == 0) continue;
+    const int rank = where.second;
+    if (code >= kErrorMismatchBase) {
+      Fail("rank " + std::to_string(rank) + " (GPU " + std::to_string(device) + ") found that rank " +
+           std::to_string(code - kErrorMismatchBase) + " of its expert group called with different arguments");
+    } else {
+      Fail("rank " + std::to_string(rank) + " (GPU " + std::to_string(device) + ") waited longer than " +
+           std::to_string(std::chrono::duration<double>(timeout).count()) + " s for rank " +
+           std::to_string(code - kErrorTimeoutBase) + " of its expert group, which did not arrive");
+    }
+    return;
+  }
 }
 
 namespace {
@@ -105,6 +126,7 @@ ffi::Error ResolveCallSite(const char* op, int64_t ws_id, int device, int64_t nu
                                        (ws->cuda ? "GPUs" : "CPU devices") + ", called on " +
                                        (cuda ? "a GPU" : "a CPU device"));
   }
+  ws->PollDeviceErrors();
   if (ws->failed.load()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": workspace " + std::to_string(ws_id) + " is unusable after an earlier "

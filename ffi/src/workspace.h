@@ -81,7 +81,10 @@ struct Workspace {
   std::string failure;
 
   void Fail(const std::string& why);
+  // The failure so far (after polling the GPUs' error words), or "".
   std::string Failure();
+  // Turns a nonzero GPU error word into the workspace's failure.
+  void PollDeviceErrors();
 };
 
 // Registry: handlers look workspaces up by id.

@@ -1,0 +1,291 @@
+// a2a_kernels.cu -- one-sided dispatch and combine over NVLink peer memory.
+//
+// NOTES:
+//   - Dispatch is three kernels on the caller's stream: slots (one block; warp r scans the tokens bound for
+//     rank r with ballots, so slots are exclusive prefix counts in token order), put (a warp per token stores
+//     its rows straight into every destination's receive region, then the last block raises this rank's flag on
+//     every peer with st.release.sys), receive (waits for every source's flag with a %globaltimer bound, then
+//     copies the filled slots to the outputs and pads the rest). Combine is two: put (rows back to their
+//     sources) and reduce (wait, then sum per token over ranks in ascending order, in float32).
+//   - The epoch of each op lives in device memory; only the kernels advance it (the last block of the receive
+//     kernel), so the launches can be captured in a CUDA graph and replayed. Call e uses buffer e & 1.
+//   - Flags carry (epoch << 16) | signature. A waiter accepts flag >> 16 >= e (a fast peer may already have
+//     posted e + 1) and checks the signature: a peer that called with other shapes is reported, not trusted.
+//   - A wait that expires records the missing source in a host-mapped error word and stops waiting; the outputs
+//     of that call are then undefined and the handler fails every later call on the workspace.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "a2a_kernels.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kDispatch = 0;
+constexpr int kCombine = 1;
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ int64_t GlobalTimerNs() {
+  int64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t* Sync(uint8_t* base, int64_t off_sync, int op) {
+  return reinterpret_cast<uint64_t*>(base + off_sync) + op * kSyncWords;
+}
+
+__device__ __forceinline__ uint64_t* Flags(uint8_t* base, int64_t off_flags, int op, int num_ranks) {
+  return reinterpret_cast<uint64_t*>(base + off_flags) + op * num_ranks;
+}
+
+// Copies `bytes` from src to dst with the 32 lanes of a warp, 16 bytes at a time when alignment allows.
+__device__ __forceinline__ void WarpCopy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                      static_cast<uintptr_t>(bytes);
+  if ((a & 15) == 0) {
+    for (int64_t i = lane * 16; i < bytes; i += 32 * 16)
+      *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+  } else if ((a & 3) == 0) {
+    for (int64_t i = lane * 4; i < bytes; i += 32 * 4)
+      *reinterpret_cast<uint32_t*>(dst + i) = *reinterpret_cast<const uint32_t*>(src + i);
+  } else {
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
+  }
+}
+
+__device__ __forceinline__ void WarpZero(uint8_t* dst, int64_t bytes, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes);
+  if ((a & 15) == 0) {
+    for (int64_t i = lane * 16; i < bytes; i += 32 * 16) *reinterpret_cast<uint4*>(dst + i) = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = 0;
+  }
+}
+
+// Threads [0, num_ranks) of the block wait for every source's flag of call `e`; the block then continues.
+__device__ void WaitForSources(uint64_t* flags, int num_ranks, uint64_t e, uint32_t signature, int64_t timeout_ns,
+                               int* error) {
+  const int src = threadIdx.x;
+  if (src < num_ranks) {
+    const int64_t t0 = GlobalTimerNs();
+    uint64_t f;
+    while (((f = LoadAcquireSys(&flags[src])) >> 16) < e) {
+      if (*reinterpret_cast<volatile int*>(error) != 0) break;
+      if (GlobalTimerNs() - t0 > timeout_ns) {
+        atomicCAS(error, 0, kErrorTimeoutBase + src);
+        break;
+      }
+    }
+    if ((f >> 16) == e && static_cast<uint32_t>(f & 0xFFFF) != signature) atomicCAS(error, 0, kErrorMismatchBase + src);
+  }
+  __syncthreads();
+}
+
+// The last block to arrive on `counter` runs `fn` (after every block's stores are visible system-wide).
+template <typename Fn>
+__device__ void LastBlock(uint64_t* counter, Fn fn) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull) == gridDim.x - 1) {
+      *reinterpret_cast<volatile uint64_t*>(counter) = 0;
+      __threadfence_system();
+      fn();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch
+// ---------------------------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(1024) DispatchSlotsKernel(const __grid_constant__ DispatchParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t local = p.num_experts / p.num_ranks;
+  auto* send_counts = reinterpret_cast<int32_t*>(p.peers.base[p.me] + p.off_sync + kSyncCountsOffset);
+  for (int r = warp; r < p.num_ranks; r += blockDim.x / 32) {
+    int32_t running = 0;
+    for (int64_t c = 0; c < p.num_tokens; c += 32) {
+      const int64_t t = c + lane;
+      bool dest = false;
+      if (t < p.num_tokens) {
+        for (int64_t k = 0; k < p.top_k; ++k) {
+          const int64_t id = p.ids[t * p.top_k + k];
+          dest |= id >= 0 && id < p.num_experts && id / local == r;
+        }
+      }
+      const unsigned ballot = __ballot_sync(0xFFFFFFFFu, dest);
+      if (t < p.num_tokens) {
+        p.send_slot[t * p.num_ranks + r] = dest ? running + __popc(ballot & ((1u << lane) - 1u)) : -1;
+      }
+      running += __popc(ballot);
+    }
+    if (lane == 0) send_counts[r] = running;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) DispatchPutKernel(const __grid_constant__ DispatchParams p) {
+  uint8_t* mine = p.peers.base[p.me];
+  uint64_t* sync = Sync(mine, p.off_sync, kDispatch);
+  const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
+  const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  const int lane = threadIdx.x % 32;
+  const int64_t local = p.num_experts / p.num_ranks;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.num_tokens; t += warps) {
+    for (int r = 0; r < p.num_ranks; ++r) {
+      const int32_t slot = p.send_slot[t * p.num_ranks + r];
+      if (slot < 0) continue;
+      uint8_t* dst = p.peers.base[r] + buf;
+      const int64_t row = p.me * p.capacity + slot;
+      WarpCopy(dst + p.off_x + row * p.x_row, p.x + t * p.x_row, p.x_row, lane);
+      WarpCopy(dst + p.off_sf + row * p.sf_row, p.x_sf + t * p.sf_row, p.sf_row, lane);
+      for (int64_t k = lane; k < p.top_k; k += 32) {
+        const int64_t id = p.ids[t * p.top_k + k];
+        const bool here = id >= 0 && id < p.num_experts && id / local == r;
+        reinterpret_cast<int32_t*>(dst + p.off_ids)[row * p.top_k + k] = here ? static_cast<int32_t>(id - r * local)
+                                                                              : -1;
+        reinterpret_cast<float*>(dst + p.off_weights)[row * p.top_k + k] = here ? p.weights[t * p.top_k + k] : 0.0f;
+      }
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x < p.num_ranks) {
+    const auto* send_counts = reinterpret_cast<const int32_t*>(mine + p.off_sync + kSyncCountsOffset);
+    reinterpret_cast<int32_t*>(p.peers.base[threadIdx.x] + buf + p.off_counts)[p.me] = send_counts[threadIdx.x];
+  }
+  LastBlock(&sync[1], [&] {
+    const uint64_t flag = (e << 16) | p.signature;
+    for (int q = 0; q < p.num_ranks; ++q)
+      StoreReleaseSys(&Flags(p.peers.base[q], p.off_flags, kDispatch, p.num_ranks)[p.me], flag);
+  });
+}
+
+__global__ void __launch_bounds__(kThreads) DispatchRecvKernel(const __grid_constant__ DispatchParams p) {
+  uint8_t* mine = p.peers.base[p.me];
+  uint64_t* sync = Sync(mine, p.off_sync, kDispatch);
+  const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
+  const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  WaitForSources(Flags(mine, p.off_flags, kDispatch, p.num_ranks), p.num_ranks, e, p.signature, p.timeout_ns,
+                 p.error);
+  const uint8_t* region = mine + buf;
+  const auto* counts = reinterpret_cast<const int32_t*>(region + p.off_counts);
+  if (blockIdx.x == 0 && threadIdx.x < p.num_ranks) p.recv_counts[threadIdx.x] = counts[threadIdx.x];
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t rows = p.num_ranks * p.num_tokens;
+  for (int64_t o = blockIdx.x * kWarps + threadIdx.x / 32; o < rows; o += warps) {
+    const int64_t s = o / p.num_tokens, j = o % p.num_tokens;
+    const int64_t n = min(static_cast<int64_t>(counts[s]), p.num_tokens);
+    const int64_t w = s * p.capacity + j;
+    if (j < n) {
+      WarpCopy(p.recv_x + o * p.x_row, region + p.off_x + w * p.x_row, p.x_row, lane);
+      WarpCopy(p.recv_sf + o * p.sf_row, region + p.off_sf + w * p.sf_row, p.sf_row, lane);
+      WarpCopy(reinterpret_cast<uint8_t*>(p.recv_ids + o * p.top_k), region + p.off_ids + w * p.top_k * 4,
+               p.top_k * 4, lane);
+      WarpCopy(reinterpret_cast<uint8_t*>(p.recv_weights + o * p.top_k), region + p.off_weights + w * p.top_k * 4,
+               p.top_k * 4, lane);
+    } else {
+      WarpZero(p.recv_x + o * p.x_row, p.x_row, lane);
+      WarpZero(p.recv_sf + o * p.sf_row, p.sf_row, lane);
+      for (int64_t k = lane; k < p.top_k; k += 32) {
+        p.recv_ids[o * p.top_k + k] = -1;
+        p.recv_weights[o * p.top_k + k] = 0.0f;
+      }
+    }
+  }
+  LastBlock(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine
+// ---------------------------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) CombinePutKernel(const __grid_constant__ CombineParams p) {
+  uint8_t* mine = p.peers.base[p.me];
+  uint64_t* sync = Sync(mine, p.off_sync, kCombine);
+  const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
+  const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  const int lane = threadIdx.x % 32;
+  const int64_t row_bytes = p.hidden * p.in_bytes;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t rows = p.num_ranks * p.num_tokens;
+  for (int64_t o = blockIdx.x * kWarps + threadIdx.x / 32; o < rows; o += warps) {
+    const int64_t s = o / p.num_tokens, j = o % p.num_tokens;
+    if (j >= min(static_cast<int64_t>(p.recv_counts[s]), p.num_tokens)) continue;
+    uint8_t* dst = p.peers.base[s] + buf + p.off_combine + (p.me * p.capacity + j) * row_bytes;
+    WarpCopy(dst, p.expert_out + o * row_bytes, row_bytes, lane);
+  }
+  LastBlock(&sync[1], [&] {
+    const uint64_t flag = (e << 16) | p.signature;
+    for (int q = 0; q < p.num_ranks; ++q)
+      StoreReleaseSys(&Flags(p.peers.base[q], p.off_flags, kCombine, p.num_ranks)[p.me], flag);
+  });
+}
+
+__device__ __forceinline__ float LoadAsFloat(const uint8_t* p, int64_t bytes) {
+  return bytes == 4 ? *reinterpret_cast<const float*>(p) : __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+}
+
+__global__ void __launch_bounds__(kThreads) CombineReduceKernel(const __grid_constant__ CombineParams p) {
+  uint8_t* mine = p.peers.base[p.me];
+  uint64_t* sync = Sync(mine, p.off_sync, kCombine);
+  const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
+  const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  WaitForSources(Flags(mine, p.off_flags, kCombine, p.num_ranks), p.num_ranks, e, p.signature, p.timeout_ns,
+                 p.error);
+  const uint8_t* region = mine + buf + p.off_combine;
+  const int64_t total = p.num_tokens * p.hidden;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / p.hidden, h = i % p.hidden;
+    float acc = 0.0f;
+    for (int r = 0; r < p.num_ranks; ++r) {  // ascending rank order, float32
+      const int32_t slot = p.send_slot[t * p.num_ranks + r];
+      if (slot < 0) continue;
+      acc = __fadd_rn(acc, LoadAsFloat(region + ((r * p.capacity + slot) * p.hidden + h) * p.in_bytes, p.in_bytes));
+    }
+    if (p.out_bytes == 4) {
+      reinterpret_cast<float*>(p.out)[i] = acc;
+    } else {
+      reinterpret_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16_rn(acc);
+    }
+  }
+  LastBlock(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
+}
+
+int Blocks(int64_t work_items, int64_t per_block, int cap) {
+  const int64_t b = (work_items + per_block - 1) / per_block;
+  return static_cast<int>(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
+}  // namespace
+
+cudaError_t LaunchDispatch(cudaStream_t stream, int num_sms, const DispatchParams& p) {
+  DispatchSlotsKernel<<<1, 1024, 0, stream>>>(p);
+  DispatchPutKernel<<<Blocks(p.num_tokens, kWarps, num_sms), kThreads, 0, stream>>>(p);
+  DispatchRecvKernel<<<Blocks(p.num_ranks * p.num_tokens, kWarps, 2 * num_sms), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombine(cudaStream_t stream, int num_sms, const CombineParams& p) {
+  CombinePutKernel<<<Blocks(p.num_ranks * p.num_tokens, kWarps, num_sms), kThreads, 0, stream>>>(p);
+  CombineReduceKernel<<<Blocks(p.num_tokens * p.hidden, kThreads, 2 * num_sms), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe_a2a

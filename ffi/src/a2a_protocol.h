@@ -1,0 +1,15 @@
+// a2a_protocol.h -- constants of the one-sided protocol shared by host code and kernels.
+#pragma once
+
+namespace jax_moe_a2a {
+
+// Sync region, per op: {epoch, put arrivals, receive arrivals, spare} uint64; after both ops, [R] int32 send
+// counts of the current dispatch. Flags: [op][source rank] uint64 = (epoch << 16) | call signature.
+constexpr int kSyncWords = 4;
+constexpr int kSyncCountsOffset = 2 * kSyncWords * 8;
+
+// Error word values written by the kernels (host-mapped, sticky until the workspace is closed).
+constexpr int kErrorTimeoutBase = 1;         // + source rank: that source did not raise its flag in time
+constexpr int kErrorMismatchBase = 1 << 16;  // + source rank: that source called with other arguments
+
+}  // namespace jax_moe_a2a
