@@ -537,8 +537,12 @@ class Workspace:
     return self._id is None
 
   def close(self) -> None:
-    """Frees the memory (waiting for the devices to be idle); a second call does nothing."""
+    """Frees the memory once every computation already dispatched is done; a second call does nothing."""
     if self._id is not None:
+      try:
+        jax.effects_barrier()  # the custom calls are effectful: this waits for every pending one
+      except Exception:  # pylint: disable=broad-except  (a failed computation already raised to its caller)
+        pass
       _ffi.extension().workspace_destroy(self._id)
       self._id = None
 
@@ -549,14 +553,21 @@ class Workspace:
     self.close()
 
   def __del__(self):
-    try:
-      self.close()
-    except Exception:  # pylint: disable=broad-except  (interpreter shutdown)
-      pass
+    if getattr(self, "_id", None) is not None:
+      try:
+        _ffi.extension().workspace_destroy(self._id)  # no barrier here: it may run inside the runtime
+      except Exception:  # pylint: disable=broad-except  (interpreter shutdown)
+        pass
 
   def check(self) -> None:
-    """Raises RuntimeError if a call on this workspace failed (e.g. a peer did not arrive in time)."""
-    failure = _ffi.extension().workspace_failure(self.id)
+    """Waits for the dispatched computations, then raises RuntimeError if a call on this workspace failed (a peer
+    did not arrive in time, or called with other arguments)."""
+    ws_id = self.id
+    try:
+      jax.effects_barrier()
+    except Exception:  # pylint: disable=broad-except  (the failure itself is reported below)
+      pass
+    failure = _ffi.extension().workspace_failure(ws_id)
     if failure:
       raise RuntimeError(f"Workspace {self.id}: {failure}")
 
@@ -580,10 +591,10 @@ class Workspace:
       problems.append(f"num_tokens {num_tokens} > capacity {self.layout.capacity}")
     if top_k != d.top_k:
       problems.append(f"top_k {top_k} (workspace: {d.top_k})")
-    if x_row != d.x_bytes_per_token:
-      problems.append(f"x row of {x_row} bytes (workspace: {d.x_bytes_per_token}, format {d.fmt})")
-    if sf_row != d.x_sf_bytes_per_token:
-      problems.append(f"x_sf row of {sf_row} bytes (workspace: {d.x_sf_bytes_per_token}, format {d.fmt})")
+    if x_row > d.x_bytes_per_token:
+      problems.append(f"x row of {x_row} bytes > {d.x_bytes_per_token} (workspace format {d.fmt})")
+    if sf_row > d.x_sf_bytes_per_token:
+      problems.append(f"x_sf row of {sf_row} bytes > {d.x_sf_bytes_per_token} (workspace format {d.fmt})")
     if problems:
       raise ValueError(f"dispatch: the call must fit the workspace, got {'; '.join(problems)}")
     self.id  # pylint: disable=pointless-statement  (raises after close)

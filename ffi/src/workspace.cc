@@ -20,6 +20,10 @@ ffi::Error Rendezvous::Arrive(int rank, const std::string& signature, std::chron
                               const std::string& op_name) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t generation = generation_;
+  if (arrived_[rank]) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      op_name + ": rank " + std::to_string(rank) + " arrived twice at one meeting point");
+  }
   if (count_ == 0) {
     first_signature_ = signature;
     mismatch_.clear();
@@ -40,8 +44,8 @@ ffi::Error Rendezvous::Arrive(int rank, const std::string& signature, std::chron
     for (int r = 0; r < num_ranks_; ++r) {
       if (!arrived_[r]) missing << (n++ ? ", " : "") << r;
     }
-    arrived_[rank] = false;  // withdraw, so the meeting point itself stays consistent
-    --count_;
+    // This generation can no longer complete correctly: the caller marks the workspace failed, so the meeting
+    // point is not used again, and every rank still waiting here reports the same missing ranks.
     std::ostringstream os;
     os << op_name << ": rank " << rank << " waited " << std::chrono::duration<double>(timeout).count()
        << " s for rank(s) [" << missing.str() << "] of its expert group, which did not arrive";

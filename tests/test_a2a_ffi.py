@@ -1,0 +1,269 @@
+"""The one-sided dispatch/combine custom calls against the pure-JAX twin: bit for bit, faults, life cycle.
+
+On CPU the simulated devices meet at a process-wide rendezvous; on a GPU machine (JAX_MOE_A2A_TEST_GPU=1) the
+same tests run over NVLink peer memory on every visible GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_moe_a2a import _ffi, a2a, quant
+
+pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+AXIS = "ep"
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _mesh(num_ranks=None):
+  devices = jax.devices()
+  num_ranks = num_ranks or len(devices)
+  return jax.sharding.Mesh(np.array(devices[:num_ranks]), (AXIS,))
+
+
+def _put(mesh, *arrays):
+  sharding = NamedSharding(mesh, P(mesh.axis_names))
+  return [None if a is None else jax.device_put(a, sharding) for a in arrays]
+
+
+def _routing(rng, num_ranks, num_tokens, top_k, num_experts, case):
+  ids = rng.integers(0, num_experts, (num_ranks * num_tokens, top_k)).astype(np.int32)
+  if case == "invalid":
+    ids[rng.random(ids.shape) < 0.3] = -1
+    ids[0, :] = -1
+    ids[1, 0] = num_experts + 3  # out of range: no expert
+  elif case == "one_rank":
+    local = num_experts // num_ranks
+    ids = rng.integers(0, local, ids.shape).astype(np.int32) + local * (num_ranks - 1)  # all on the last rank
+  elif case == "nobody_to_rank0":
+    local = num_experts // num_ranks
+    ids = rng.integers(local, num_experts, ids.shape).astype(np.int32)
+  weights = rng.random(ids.shape).astype(np.float32)
+  return ids, weights
+
+
+def _run(mesh, ws, x, x_sf, ids, weights, num_experts, impl, combine_dtype=jnp.bfloat16):
+  spec = P(AXIS)
+
+  def body(x, x_sf, ids, weights):
+    res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=AXIS, x_sf=x_sf, workspace=ws,
+                               impl=impl)
+    expert_out = (res.recv_x.astype(jnp.float32) * 1.5 if res.recv_x.dtype != jnp.float8_e4m3fn
+                  else res.recv_x.astype(jnp.float32)).astype(combine_dtype)
+    out = a2a.combine(expert_out, handle, out_dtype=jnp.float32)
+    recv_sf = res.recv_x_sf if res.recv_x_sf is not None else jnp.zeros((1,), jnp.float32)
+    return (res.recv_x[None], recv_sf[None], res.recv_topk_ids[None], res.recv_topk_weights[None],
+            res.recv_counts[None], handle.send_slot, out)
+
+  if x_sf is None:
+    f = jax.shard_map(lambda x, i, w: body(x, None, i, w), mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 7)
+    return jax.jit(f)(x, ids, weights)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 7)
+  return jax.jit(f)(x, x_sf, ids, weights)
+
+
+def _assert_outputs_equal(got, want):
+  names = ("recv_x", "recv_x_sf", "recv_topk_ids", "recv_topk_weights", "recv_counts", "send_slot", "combine")
+  for name, g, w in zip(names, got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype, name
+    np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["random", "invalid", "one_rank", "nobody_to_rank0"])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (7, 3), (33, 8)])
+def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
+  mesh = _mesh()
+  num_ranks = mesh.shape[AXIS]
+  num_experts = 4 * num_ranks
+  rng = np.random.default_rng(num_tokens * 31 + top_k)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, case)
+  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, 96)), jnp.bfloat16)
+  x, ids, weights = _put(mesh, x, ids, weights)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=96, top_k=top_k, timeout_s=20) as ws:
+    got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")
+    want = _run(mesh, None, x, None, ids, weights, num_experts, "reference")
+    _assert_outputs_equal(got, want)
+    if case == "nobody_to_rank0":
+      assert int(np.asarray(got[4]).reshape(num_ranks, num_ranks)[0].sum()) == 0  # rank 0 received nothing
+
+
+def test_fp8_wire_and_a_capacity_larger_than_the_call():
+  mesh = _mesh()
+  num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 10, 256, 4
+  num_experts = 2 * num_ranks
+  rng = np.random.default_rng(7)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
+  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
+  x_q, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  x_q, x_sf, ids, weights = _put(mesh, x_q, x_sf, ids, weights)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=16, hidden=hidden, top_k=top_k, fmt="fp8_blockwise",
+                     combine_dtype=jnp.float32, timeout_s=20) as ws:
+    got = _run(mesh, ws, x_q, x_sf, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
+    want = _run(mesh, None, x_q, x_sf, ids, weights, num_experts, "reference", combine_dtype=jnp.float32)
+  _assert_outputs_equal(got, want)
+
+
+def test_many_back_to_back_calls_stay_exact():
+  """1000 dispatch+combine pairs in one jit (a fori_loop): buffers alternate, flags and epochs advance."""
+  mesh = _mesh()
+  num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 4, 32, 2
+  num_experts = 2 * num_ranks
+  rng = np.random.default_rng(11)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "random")
+  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
+  x, ids, weights = _put(mesh, x, ids, weights)
+  spec = P(AXIS)
+
+  def loop(ws, impl, steps):
+    def body(x, ids, weights):
+      def step(i, acc):
+        res, handle = a2a.dispatch(acc, ids, weights, num_experts=num_experts, axis_name=AXIS, workspace=ws,
+                                   impl=impl)
+        back = a2a.combine(res.recv_x.astype(jnp.float32) * 0.5, handle, out_dtype=jnp.bfloat16)
+        return jnp.where(jnp.sum((handle.send_slot >= 0).astype(jnp.int32), axis=1, keepdims=True) > 0,
+                         back + 1.0, acc)
+      return jax.lax.fori_loop(0, steps, step, x)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(x, ids, weights)
+
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k,
+                     combine_dtype=jnp.float32, timeout_s=20) as ws:
+    got = loop(ws, "ffi", 1000)
+    ws.check()
+  want = loop(None, "reference", 1000)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_gradients_match_the_twin():
+  mesh = _mesh()
+  num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 6, 16, 3
+  num_experts = 2 * num_ranks
+  rng = np.random.default_rng(5)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
+  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
+  x, ids, weights = _put(mesh, x, ids, weights)
+  spec = P(AXIS)
+
+  def loss(ws, impl, x, weights):
+    def body(x, ids, weights):
+      res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=AXIS, workspace=ws, impl=impl)
+      y = res.recv_x.astype(jnp.float32) * jnp.sum(res.recv_topk_weights, axis=-1, keepdims=True)
+      return a2a.combine(y, handle) ** 2
+    return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(x, ids, weights))
+
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k,
+                     combine_dtype=jnp.float32, timeout_s=20) as ws:
+    got = jax.jit(jax.grad(functools.partial(loss, ws, "ffi"), argnums=(0, 1)))(x, weights)
+  want = jax.jit(jax.grad(functools.partial(loss, None, "reference"), argnums=(0, 1)))(x, weights)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Faults and life cycle
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _skip_rank(mesh, ws, skipped, num_experts=None):
+  """Every rank but `skipped` calls dispatch; returns the jitted function's result (or raises)."""
+  num_ranks = mesh.shape[AXIS]
+  num_experts = num_experts or num_ranks
+  spec = P(AXIS)
+
+  def body(x, ids, w):
+    def call(_):
+      res, _ = a2a.dispatch(x, ids, w, num_experts=num_experts, axis_name=AXIS, workspace=ws, impl="ffi")
+      return res.recv_counts
+    me = jax.lax.axis_index(AXIS)
+    skip = lambda _: jax.lax.pcast(jnp.zeros((num_ranks,), jnp.int32), AXIS, to="varying")
+    return jax.lax.cond(me == skipped, skip, call, None)[None]
+
+  x = jnp.ones((num_ranks * 2, 8), jnp.bfloat16)
+  ids = jnp.zeros((num_ranks * 2, 1), jnp.int32)
+  w = jnp.ones((num_ranks * 2, 1), jnp.float32)
+  x, ids, w = _put(mesh, x, ids, w)
+  return jax.block_until_ready(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(x, ids,
+                                                                                                               w))
+
+
+def test_a_missing_peer_is_an_error_naming_it_and_the_process_stays_usable():
+  mesh = _mesh()
+  num_ranks = mesh.shape[AXIS]
+  ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32,
+                     timeout_s=0.5)
+  missing = num_ranks - 1
+  try:
+    _skip_rank(mesh, ws, missing)
+  except Exception as e:  # CPU: the call itself fails
+    assert "did not arrive" in str(e) and f"[{missing}]" in str(e)
+  with pytest.raises(RuntimeError, match=rf"rank {missing} .*did not arrive|\[{missing}\].*did not arrive"):
+    ws.check()
+  with pytest.raises(Exception, match="unusable after an earlier failure"):
+    _skip_rank(mesh, ws, skipped=-1)
+  ws.close()
+  # A new workspace works.
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32,
+                     timeout_s=5) as fresh:
+    counts = np.asarray(_skip_rank(mesh, fresh, skipped=-1)).reshape(num_ranks, num_ranks)
+    np.testing.assert_array_equal(counts[0], np.full(num_ranks, 2))
+
+
+def test_life_cycle_and_fit_errors():
+  mesh = _mesh()
+  ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32)
+  assert "platform" in repr(ws) and not ws.closed
+  ws.close()
+  ws.close()  # harmless
+  assert ws.closed
+  with pytest.raises(RuntimeError, match="used after close"):
+    _skip_rank(mesh, ws, skipped=-1)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=1, hidden=8, top_k=1) as small:
+    with pytest.raises(ValueError, match=r"must fit the workspace, got num_tokens 2 > capacity 1"):
+      _skip_rank(mesh, small, skipped=-1)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=4, top_k=1) as narrow:
+    with pytest.raises(ValueError, match=r"x row of 16 bytes > 8 \(workspace format bf16\)"):
+      _skip_rank(mesh, narrow, skipped=-1)
+  with pytest.raises(ValueError, match="impl='ffi' needs a workspace"):
+    jax.shard_map(lambda x: a2a.dispatch(x, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.float32),
+                                         num_experts=8, axis_name=AXIS, impl="ffi")[0].recv_x,
+                  mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))(jnp.zeros((len(mesh.devices), 4)))
+  with pytest.raises(ValueError, match="expert_axis must name axes of the mesh"):
+    a2a.Workspace(mesh, expert_axis="nope", capacity=2, hidden=8, top_k=1)
+
+
+def test_handler_rejects_a_workspace_too_small_for_the_offsets():
+  """Reached directly, the C++ side checks every access range against the block it was given."""
+  mesh = _mesh()
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1) as ws:
+    attrs = ws.attrs("dispatch")
+    attrs["off_x"] = np.int64(ws.layout.total_bytes)  # past the end
+    spec = P(AXIS)
+    num_ranks = mesh.shape[AXIS]
+
+    def body(x, ids, w):
+      out = (jax.ShapeDtypeStruct((num_ranks, 2, 8), x.dtype), jax.ShapeDtypeStruct((num_ranks, 2, 0), jnp.uint8),
+             jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.int32), jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.float32),
+             jax.ShapeDtypeStruct((num_ranks,), jnp.int32), jax.ShapeDtypeStruct((2, num_ranks), jnp.int32))
+      outs = _ffi.ffi_call("dispatch", out, x, jnp.zeros((2, 0), jnp.uint8), ids, w, has_side_effect=True,
+                           num_experts=np.int64(num_ranks), **attrs)
+      return outs[4][None]
+    x, ids, w = _put(mesh, jnp.ones((2 * num_ranks, 8), jnp.bfloat16), jnp.zeros((2 * num_ranks, 1), jnp.int32),
+                     jnp.ones((2 * num_ranks, 1), jnp.float32))
+    with pytest.raises(Exception, match="workspace bytes per device.*too small"):
+      jax.block_until_ready(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                                                  check_vma=False))(x, ids, w))
+
+
+@pytest.mark.gpu
+def test_gpu_uses_peer_memory_on_every_gpu():
+  assert jax.default_backend() == "gpu" and len(jax.devices()) >= 2
+  mesh = _mesh()
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=8, hidden=8, top_k=1) as ws:
+    assert ws.platform == "gpu"
