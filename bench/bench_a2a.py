@@ -1,0 +1,208 @@
+"""One-sided dispatch/combine against jax.lax.all_to_all and ragged_all_to_all, one process driving every GPU.
+
+DeepSeek-V3 shapes by default: hidden 7168, top-8 of 256 experts, random routing. For each tokens-per-rank
+size and wire format it times, per call (median of many runs after warm-up, fresh inputs):
+
+- ``ffi``: the one-sided custom calls (dispatch, and combine of a bf16 expert output);
+- ``twin``: the pure-JAX reference (scatter into slots + ``jax.lax.all_to_all`` + gather);
+- ``all_to_all``: the bare ``jax.lax.all_to_all`` of the lossless send buffer ``[R, T, row]`` (what any
+  all_to_all-based dispatch has to move: every slot, routed or not);
+- ``ragged``: the bare ``jax.lax.ragged_all_to_all`` of the routed rows only (dispatch direction).
+
+"chain" times a jit of `--chain` calls on distinct inputs (launch cost amortized); "single" a jit of one call.
+GB/s counts the payload bytes that cross NVLink per GPU: for dispatch, (token, other rank) pairs the routing
+sends times the wire bytes per token (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for
+combine, the same pairs times 2 * hidden.
+
+  python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import time_per_call, write_result  # noqa: E402
+
+from jax_moe_a2a import a2a, layout, quant  # noqa: E402
+
+AXIS = "ep"
+
+
+def _inputs(key, mesh, num_ranks, tokens, hidden, top_k, num_experts, fmt):
+  k1, k2, k3 = jax.random.split(key, 3)
+  x = jax.random.normal(k1, (num_ranks * tokens, hidden), jnp.bfloat16)
+  # Random routing: top_k distinct experts per token.
+  scores = jax.random.uniform(k2, (num_ranks * tokens, num_experts))
+  ids = jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
+  weights = jax.random.uniform(k3, ids.shape, jnp.float32)
+  x_sf = None
+  if fmt == layout.FP8_BLOCKWISE:
+    x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  sharding = NamedSharding(mesh, P(AXIS))
+  put = lambda a: None if a is None else jax.device_put(a, sharding)
+  return put(x), put(x_sf), put(ids), put(weights)
+
+
+def _nvlink_pairs(ids, num_ranks, num_experts):
+  """(token, destination != source) pairs of the routing, summed over all ranks, divided by ranks (per GPU)."""
+  ids = np.asarray(ids)
+  tokens = ids.shape[0] // num_ranks
+  local = num_experts // num_ranks
+  src = np.repeat(np.arange(num_ranks), tokens)
+  pairs = 0
+  for r in range(num_ranks):
+    dest = np.any(ids // local == r, axis=1)
+    pairs += int(np.sum(dest & (src != r)))
+  return pairs / num_ranks
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 4096], help="tokens per rank")
+  p.add_argument("--formats", nargs="+", default=[layout.BF16, layout.FP8_BLOCKWISE])
+  p.add_argument("--hidden", type=int, default=7168)
+  p.add_argument("--top-k", type=int, default=8)
+  p.add_argument("--experts", type=int, default=256)
+  p.add_argument("--chain", type=int, default=10, help="calls per jitted chain")
+  p.add_argument("--runs", type=int, default=30)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+
+  devices = jax.devices()
+  num_ranks = len(devices)
+  mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+  spec = P(AXIS)
+  rows = []
+  print(f"{num_ranks} ranks, hidden {args.hidden}, top-{args.top_k} of {args.experts}")
+  print(f"{'T/rank':>6} {'fmt':>13} {'op':>8} {'impl':>10} {'chain us':>9} {'single us':>9} {'GB/s':>7}")
+  for fmt in args.formats:
+    d = layout.dispatch_layout(args.hidden, fmt, top_k=args.top_k)
+    for tokens in args.tokens:
+      sets = [_inputs(jax.random.key(1000 * tokens + i), mesh, num_ranks, tokens, args.hidden, args.top_k,
+                      args.experts, fmt) for i in range(args.chain)]
+      pairs = _nvlink_pairs(sets[0][2], num_ranks, args.experts)
+      ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=tokens, hidden=args.hidden, top_k=args.top_k, fmt=fmt,
+                         timeout_s=30)
+      has_sf = sets[0][1] is not None
+
+      def dispatch_fn(impl, n):
+        def body(*flat):
+          outs = []
+          for i in range(n):
+            x, x_sf, ids, w = flat[4 * i:4 * i + 4]
+            res, h = a2a.dispatch(x, ids, w, num_experts=args.experts, axis_name=AXIS, x_sf=x_sf if has_sf else None,
+                                  workspace=ws if impl == "ffi" else None, impl=impl)
+            outs.append(res.recv_x[None])
+          return outs
+        f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n), out_specs=[spec] * n, check_vma=False)
+        return jax.jit(f)
+
+      def pair_fn(impl, n):
+        """n x (dispatch + combine of a bf16 expert output derived from what arrived)."""
+        def body(*flat):
+          outs = []
+          for i in range(n):
+            x, x_sf, ids, w = flat[4 * i:4 * i + 4]
+            res, h = a2a.dispatch(x, ids, w, num_experts=args.experts, axis_name=AXIS, x_sf=x_sf if has_sf else None,
+                                  workspace=ws if impl == "ffi" else None, impl=impl)
+            expert_out = res.recv_x.astype(jnp.bfloat16) if not has_sf else \
+                jnp.broadcast_to(res.recv_topk_weights[..., :1], res.recv_x.shape).astype(jnp.bfloat16)
+            outs.append(a2a.combine(expert_out, h))
+          return outs
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n), out_specs=[spec] * n,
+                                     check_vma=False))
+
+      def flat_inputs(sets_):
+        out = []
+        for s in sets_:
+          x, x_sf, ids, w = s
+          out += [x, x_sf if has_sf else jnp.zeros((x.shape[0], 1), jnp.float32), ids, w]
+        return out
+
+      def record(op, impl, chain_s, single_s, nbytes):
+        gbps = nbytes / chain_s / 1e9 if chain_s else float("nan")
+        rows.append({"tokens_per_rank": tokens, "fmt": fmt, "op": op, "impl": impl, "chain_us": chain_s * 1e6,
+                     "single_us": single_s * 1e6, "nvlink_bytes_per_gpu": nbytes, "gb_per_s": gbps})
+        print(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single_s * 1e6:>9.1f} {gbps:>7.1f}",
+              flush=True)
+
+      chain_in = [tuple(flat_inputs(sets))]
+      single_in = [tuple(flat_inputs([s])) for s in sets]
+      disp_bytes = pairs * d.bytes_per_token
+      comb_bytes = pairs * 2 * args.hidden
+      for impl in ("ffi", "reference"):
+        name = "ffi" if impl == "ffi" else "twin"
+        t_chain = time_per_call(dispatch_fn(impl, args.chain), chain_in, calls_per_run=args.chain, runs=args.runs)
+        t_single = time_per_call(dispatch_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
+        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes)
+        # Combine = (dispatch + combine) - dispatch, both medians of their own runs.
+        p_chain = time_per_call(pair_fn(impl, args.chain), chain_in, calls_per_run=args.chain, runs=args.runs)
+        p_single = time_per_call(pair_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
+        record("combine", name, p_chain["median_s"] - t_chain["median_s"], p_single["median_s"] - t_single["median_s"],
+               comb_bytes)
+
+      # Bare collectives carrying the same wire bytes.
+      row_bytes = d.bytes_per_token
+      lossless = [jnp.zeros((num_ranks * num_ranks, tokens, row_bytes), jnp.uint8) for _ in range(args.chain)]
+      lossless = [jax.device_put(b, NamedSharding(mesh, spec)) for b in lossless]
+
+      def a2a_fn(n):
+        body = lambda *bs: [jax.lax.all_to_all(b, AXIS, 0, 0, tiled=True) for b in bs]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n, out_specs=[spec] * n))
+      t_chain = time_per_call(a2a_fn(args.chain), [tuple(lossless)], calls_per_run=args.chain, runs=args.runs)
+      t_single = time_per_call(a2a_fn(1), [(b,) for b in lossless], calls_per_run=1, runs=args.runs)
+      record("dispatch", "all_to_all", t_chain["median_s"], t_single["median_s"], disp_bytes)
+      combine_buf = [jax.device_put(jnp.zeros((num_ranks * num_ranks, tokens, args.hidden), jnp.bfloat16),
+                                    NamedSharding(mesh, spec)) for _ in range(args.chain)]
+      t_chain = time_per_call(a2a_fn(args.chain), [tuple(combine_buf)], calls_per_run=args.chain, runs=args.runs)
+      t_single = time_per_call(a2a_fn(1), [(b,) for b in combine_buf], calls_per_run=1, runs=args.runs)
+      record("combine", "all_to_all", t_chain["median_s"], t_single["median_s"], comb_bytes)
+      del combine_buf
+
+      if jax.default_backend() == "gpu":
+        counts = np.array([[int(np.sum(np.any(np.asarray(sets[0][2])[s * tokens:(s + 1) * tokens] //
+                                              (args.experts // num_ranks) == r, axis=1)))
+                            for r in range(num_ranks)] for s in range(num_ranks)], np.int32)  # [src, dst]
+
+        def ragged_fn(n):
+          def body(*bs):
+            me = jax.lax.axis_index(AXIS)
+            send = jnp.asarray(counts)[me]
+            recv = jnp.asarray(counts)[:, me]
+            in_off = jnp.arange(num_ranks, dtype=jnp.int32) * tokens
+            out_off = jnp.full((num_ranks,), me * tokens, jnp.int32)
+            outs = []
+            for b in bs:
+              b = b.reshape(num_ranks * tokens, row_bytes)
+              outs.append(jax.lax.ragged_all_to_all(b, jnp.zeros_like(b), in_off, send, out_off, recv,
+                                                    axis_name=AXIS)[None])
+            return outs
+          return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n, out_specs=[spec] * n,
+                                       check_vma=False))
+        try:
+          t_chain = time_per_call(ragged_fn(args.chain), [tuple(lossless)], calls_per_run=args.chain,
+                                  runs=max(3, args.runs // 5))
+          t_single = time_per_call(ragged_fn(1), [(b,) for b in lossless], calls_per_run=1,
+                                   runs=max(3, args.runs // 5))
+          record("dispatch", "ragged", t_chain["median_s"], t_single["median_s"], disp_bytes)
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"ragged_all_to_all failed: {type(e).__name__}: {str(e)[:200]}")
+      ws.close()
+      del sets, lossless
+  path = write_result(f"a2a_{num_ranks}ranks", {"unit": "GB/s = NVLink payload bytes per GPU / chain time",
+                                                "hidden": args.hidden, "top_k": args.top_k,
+                                                "num_experts": args.experts, "rows": rows}, args.out)
+  print("wrote", path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
