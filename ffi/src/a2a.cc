@@ -481,6 +481,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
   if (auto e = ResolveCallSite(kCombineOp, workspace, device, num_ranks, CombineNeededBytes(g), true, &site);
       e.failure())
     return e;
+  if (g.hidden % 8 != 0) return InvalidArg(kCombineOp, "hidden", "a multiple of 8 on GPUs", g.hidden);
   if (g.num_tokens == 0) return ffi::Error::Success();
   Workspace& ws = *site.ws;
   CombineParams p{};
