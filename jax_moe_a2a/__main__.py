@@ -1,5 +1,7 @@
-"""Command line: ``python -m jax_moe_a2a {report,bench} ...``.
+"""Command line: ``python -m jax_moe_a2a {demo,report,bench} ...``.
 
+  demo     a small MoE layer on every device (8 simulated CPU devices without an accelerator), forward and
+           backward under jit, checked against the dense oracle (``demo --help`` lists its options)
   report   the wire formats' payload and workspace bytes for a model shape, and a quantization check through
            the custom call and its pure-JAX twin
   bench    run a benchmark script of the repository's bench/ folder (e.g. ``bench quant``)
@@ -74,10 +76,22 @@ def _bench(args: argparse.Namespace) -> int:
   return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+  from jax_moe_a2a import demo  # pylint: disable=import-outside-toplevel
+  demo.simulate_cpu_devices()  # before anything imports jax
+  return demo.run(args)
+
+
 def main(argv=None) -> int:
+  from jax_moe_a2a import demo  # pylint: disable=import-outside-toplevel  (imports no jax)
+
   parser = argparse.ArgumentParser(prog="python -m jax_moe_a2a", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
+  dem = sub.add_parser("demo", parents=[demo.parser()], add_help=False, description=demo.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="a small MoE layer on every device, checked against the dense oracle")
+  dem.set_defaults(fn=_demo)
   rep = sub.add_parser("report", help="payload/workspace bytes per format and a quantization check")
   rep.add_argument("--hidden", type=int, default=7168, help="activation width (default: DeepSeek-V3's 7168)")
   rep.add_argument("--top-k", type=int, default=8, help="experts per token")

@@ -15,6 +15,7 @@ local experts of weight * expert(x), accumulated in float32 in top-k order — t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -72,22 +73,121 @@ def _check_weights(op: str, weights: ExpertWeights, hidden: int) -> tuple[int, i
   return num_local_experts, ffn
 
 
-def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                         compute_dtype=jnp.bfloat16) -> jax.Array:
-  """Grouped SwiGLU MLP over rows sorted by expert (pure JAX, `jax.lax.ragged_dot`).
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped matmul in row tiles (the CPU path)
+# ----------------------------------------------------------------------------------------------------------------
 
-  Args:
-    x: [num_rows, hidden] rows sorted by local expert (bfloat16 or float32; FP8 inputs are dequantized by the
-      caller). Rows past sum(group_sizes) give zero.
-    group_sizes: [num_local_experts] int32, rows of each expert, in order.
-    weights: the local experts' weights (BF16 or FP8; FP8 is dequantized to `compute_dtype` first).
-    compute_dtype: operand dtype of the matmuls; they accumulate in float32.
+# Rows per tile of the tiled grouped MLP.
+GROUP_TILE = 128
+METHODS = ("auto", "ragged_dot", "tiled")
 
-  Returns:
-    [num_rows, hidden] float32.
+
+def _tiles(group_sizes: jax.Array, tile: int):
+  """First row and tile count of each group: group g covers rows [start[g], start[g] + group_sizes[g])."""
+  sizes = group_sizes.astype(jnp.int32)
+  start = jnp.cumsum(sizes) - sizes
+  return sizes, start, (sizes + tile - 1) // tile
+
+
+def _for_each_tile(group_sizes, tile, group_fn, tile_fn, carry):
+  """Visits, group by group in ascending order, the tiles ``[start[g] + j * tile, ... + tile)`` of each group.
+
+  Trip counts are run-time values, so only tiles that hold rows are visited. ``group_fn(g)`` is evaluated once
+  per group (it slices the group's weights); ``tile_fn(g, ctx, row0, valid, carry)`` gets its result, the
+  tile's first row and a [tile] mask of the rows that belong to group g.
   """
-  _, ffn = _check_weights("swiglu_mlp_reference", weights, x.shape[-1])
-  w_gate_up, w_down = weights.dequantized(compute_dtype)
+  num_groups = group_sizes.shape[0]
+  sizes, start, count = _tiles(group_sizes, tile)
+
+  def group(g, carry):
+    ctx = group_fn(g)
+    end = start[g] + sizes[g]
+
+    def one(j, carry):
+      row0 = start[g] + j * tile
+      valid = row0 + jnp.arange(tile, dtype=jnp.int32) < end
+      return tile_fn(g, ctx, row0, valid, carry)
+
+    return jax.lax.fori_loop(0, count[g], one, carry)
+
+  return jax.lax.fori_loop(0, num_groups, group, carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _swiglu_tiled(x, group_sizes, w_gate_up, w_down, compute_dtype, tile):
+  """The grouped SwiGLU MLP, one tile of rows at a time (see `swiglu_mlp_reference`, method "tiled").
+
+  A group's last tile runs past its rows into the next group's; since groups go in ascending order, the next
+  group rewrites those rows, and rows past sum(group_sizes) are zeroed at the end. x is padded by one tile so
+  that no slice is ever clamped.
+  """
+  return _swiglu_tiled_fwd(x, group_sizes, w_gate_up, w_down, compute_dtype, tile)[0]
+
+
+def _swiglu_tile(xt, w_gu_t):
+  """Gate and up projections of one tile, [tile, ffn] float32 each."""
+  h = jnp.dot(xt, w_gu_t, preferred_element_type=jnp.float32)  # [tile, 2 ffn]
+  ffn = h.shape[1] // 2
+  return h[:, :ffn], h[:, ffn:]
+
+
+def _swiglu_tiled_fwd(x, group_sizes, w_gate_up, w_down, compute_dtype, tile):
+  num_rows, hidden = x.shape
+  x_pad = jnp.concatenate([x.astype(compute_dtype), jnp.zeros((tile, hidden), compute_dtype)])
+
+  def group_fn(g):  # per group: weights as [K, N] operands, sliced and transposed once
+    return w_gate_up[g].T, w_down[g].T
+
+  def tile_fn(g, ctx, row0, valid, y):
+    del g, valid
+    w_gu_t, w_dn_t = ctx
+    gate, up = _swiglu_tile(jax.lax.dynamic_slice_in_dim(x_pad, row0, tile), w_gu_t)
+    act = (jax.nn.silu(gate) * up).astype(compute_dtype)
+    yt = jnp.dot(act, w_dn_t, preferred_element_type=jnp.float32)
+    return jax.lax.dynamic_update_slice_in_dim(y, yt, row0, axis=0)
+
+  y = _for_each_tile(group_sizes, tile, group_fn, tile_fn, jnp.zeros((num_rows + tile, hidden), jnp.float32))
+  live = jnp.arange(num_rows) < jnp.sum(group_sizes)
+  return jnp.where(live[:, None], y[:num_rows], 0.0), (x, group_sizes, w_gate_up, w_down)
+
+
+def _swiglu_tiled_bwd(compute_dtype, tile, res, ct):
+  x, group_sizes, w_gate_up, w_down = res
+  num_rows, hidden = x.shape
+  f32 = jnp.float32
+  x_pad = jnp.concatenate([x.astype(compute_dtype), jnp.zeros((tile, hidden), compute_dtype)])
+  ct_pad = jnp.concatenate([ct.astype(f32), jnp.zeros((tile, hidden), f32)])
+
+  def group_fn(g):
+    return w_gate_up[g].astype(compute_dtype), w_down[g].astype(compute_dtype)
+
+  def tile_fn(g, ctx, row0, valid, carry):
+    dx, dw_gu, dw_dn = carry
+    w_gu, w_dn = ctx  # [2 ffn, hidden], [hidden, ffn]
+    xt = jax.lax.dynamic_slice_in_dim(x_pad, row0, tile)
+    # Rows of the next group (or past the end) must not reach this group's weight gradients.
+    ct_t = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(ct_pad, row0, tile), 0.0)
+    gate, up = _swiglu_tile(xt, w_gu.T)  # recomputed rather than stored
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    act = (silu * up).astype(compute_dtype)
+    d_act = jnp.dot(ct_t, w_dn.astype(f32))  # [tile, ffn]
+    dw_dn = dw_dn.at[g].add(jax.lax.dot_general(ct_t, act.astype(f32), (((0,), (0,)), ((), ()))))
+    dh = jnp.concatenate([d_act * up * (sig + silu * (1.0 - sig)), d_act * silu], axis=1)  # [tile, 2 ffn]
+    dw_gu = dw_gu.at[g].add(jax.lax.dot_general(dh, xt.astype(f32), (((0,), (0,)), ((), ()))))
+    dxt = jnp.dot(dh, w_gu.astype(f32))
+    return jax.lax.dynamic_update_slice_in_dim(dx, dxt, row0, axis=0), dw_gu, dw_dn
+
+  init = (jnp.zeros((num_rows + tile, hidden), f32), jnp.zeros(w_gate_up.shape, f32), jnp.zeros(w_down.shape, f32))
+  dx, dw_gu, dw_dn = _for_each_tile(group_sizes, tile, group_fn, tile_fn, init)
+  return dx[:num_rows].astype(x.dtype), None, dw_gu.astype(w_gate_up.dtype), dw_dn.astype(w_down.dtype)
+
+
+_swiglu_tiled.defvjp(_swiglu_tiled_fwd, _swiglu_tiled_bwd)
+
+
+def _swiglu_ragged_dot(x, group_sizes, w_gate_up, w_down, compute_dtype):
+  ffn = w_down.shape[-1]
   h = jax.lax.ragged_dot(x.astype(compute_dtype), jnp.swapaxes(w_gate_up, 1, 2), group_sizes,
                          preferred_element_type=jnp.float32)
   act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
@@ -95,9 +195,50 @@ def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWe
                             preferred_element_type=jnp.float32)
 
 
+def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
+                         compute_dtype=jnp.bfloat16, method: str = "auto") -> jax.Array:
+  """Grouped SwiGLU MLP over rows sorted by expert (pure JAX).
+
+  Two implementations with the same semantics (float32 accumulation, the activation rounded to
+  `compute_dtype` before the down projection):
+
+  - ``"ragged_dot"``: `jax.lax.ragged_dot`. GPUs and TPUs lower it to a grouped matmul; XLA:CPU expands it to
+    a dense matmul per group, num_groups times the work.
+  - ``"tiled"``: a loop over the groups and, within each, over tiles of `GROUP_TILE` rows runs the whole MLP
+    per tile with the group's weights; its trip counts are run-time values, so the work is that of the real
+    rows plus at most one tile per group. The backward pass (a custom VJP) is tiled the same way.
+  - ``"auto"``: ``"tiled"`` on CPU, ``"ragged_dot"`` elsewhere (chosen when lowering, per platform).
+
+  Args:
+    x: [num_rows, hidden] rows sorted by local expert (bfloat16 or float32; FP8 inputs are dequantized by the
+      caller). Rows past sum(group_sizes) give zero.
+    group_sizes: [num_local_experts] int32, rows of each expert, in order.
+    weights: the local experts' weights (BF16 or FP8; FP8 is dequantized to `compute_dtype` first).
+    compute_dtype: operand dtype of the matmuls; they accumulate in float32.
+    method: ``"auto"``, ``"ragged_dot"`` or ``"tiled"``.
+
+  Returns:
+    [num_rows, hidden] float32.
+  """
+  op = "swiglu_mlp_reference"
+  _check_weights(op, weights, x.shape[-1])
+  if method not in METHODS:
+    raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}, got {method!r}")
+  w_gate_up, w_down = weights.dequantized(compute_dtype)
+  args = (x, group_sizes, w_gate_up, w_down, compute_dtype)
+  tile = min(GROUP_TILE, -(-max(x.shape[0], 1) // 8) * 8)
+  tiled = lambda *a: _swiglu_tiled(*a, compute_dtype, tile)
+  ragged = lambda *a: _swiglu_ragged_dot(*a, compute_dtype)
+  if method == "tiled":
+    return tiled(*args[:4])
+  if method == "ragged_dot":
+    return ragged(*args[:4])
+  return jax.lax.platform_dependent(*args[:4], cpu=tiled, default=ragged)
+
+
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
                  weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None, out_dtype=jnp.bfloat16,
-                 compute_dtype=jnp.bfloat16) -> jax.Array:
+                 compute_dtype=jnp.bfloat16, method: str = "auto") -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
@@ -112,6 +253,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     recv_x_sf: for FP8 rows, their [num_ranks, capacity, hidden / 128] float32 1x128 scales.
     out_dtype: dtype of the returned payload.
     compute_dtype: matmul operand dtype.
+    method: grouped matmul implementation, see `swiglu_mlp_reference`.
 
   Returns:
     [num_ranks, capacity, hidden] `out_dtype`: per row, sum_k weight_k * expert_k(x).
@@ -146,7 +288,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
     x_sorted = rows[order // top_k]
   with jax.named_scope("experts"):
-    y_sorted = swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype)
+    y_sorted = swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
   with jax.named_scope("unpermute"):
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_ranks * capacity, top_k, hidden)
     w = jnp.where(valid, recv_topk_weights.reshape(-1), 0.0).reshape(-1, top_k)

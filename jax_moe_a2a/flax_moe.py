@@ -1,0 +1,112 @@
+"""Flax layers around `moe.moe_apply`: an NNX `MoE` and a Linen `LinenMoE`.
+
+Both hold the parameters of `moe.init_params` (same names, shapes and shardings, see `moe.param_shapes` and
+`moe.param_specs`) and delegate the computation to the functional core, so ``layer(x)`` is exactly
+``moe.moe_apply(params, x, config, mesh)`` and returns ``(y, aux)``.
+
+FP8 expert weights (``config.fp8_weights``) and their scales are inference weights: the NNX module stores them
+as `FP8Weight` variables, not `nnx.Param`, so ``nnx.grad`` and optimizers over ``nnx.Param`` leave them alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh
+
+from jax_moe_a2a import moe
+
+
+class FP8Weight(nnx.Variable):
+  """An FP8 E4M3 expert weight or its FP32 128x128 block scales (not trained)."""
+
+
+def _is_fp8_leaf(name: str, config: moe.MoEConfig) -> bool:
+  return config.fp8_weights and name in ("w_gate_up", "w_down", "w_gate_up_sf", "w_down_sf")
+
+
+class MoE(nnx.Module):
+  """Expert-parallel MoE layer (NNX).
+
+  Parameters are attributes named as the keys of `moe.param_shapes` (``router``, ``w_gate_up``, ``w_down``, ...),
+  each an `nnx.Param` (or `FP8Weight`) carrying its sharding as ``out_sharding`` metadata with the mesh.
+
+  Example::
+
+    layer = MoE(config=config, mesh=mesh, rngs=nnx.Rngs(0))
+    y, aux = layer(x)   # x [num_tokens, hidden], sharded P(config.token_axes, None)
+  """
+
+  def __init__(self, *, config: moe.MoEConfig, mesh: Mesh, rngs: nnx.Rngs):
+    """Creates the parameters with `moe.init_params` on `mesh`.
+
+    Args:
+      config: the layer (a `moe.MoEConfig`).
+      mesh: the mesh the layer runs on; must hold every axis the config names.
+      rngs: an `nnx.Rngs` with a ``params`` stream.
+    """
+    if not isinstance(config, moe.MoEConfig):
+      raise TypeError(f"MoE: config must be a moe.MoEConfig, got {type(config).__name__}")
+    self.config = config
+    self.mesh = mesh
+    specs = moe.param_specs(config)
+    values = moe.init_params(rngs.params(), config, mesh)
+    self.param_names = tuple(values)
+    for name, value in values.items():
+      kind = FP8Weight if _is_fp8_leaf(name, config) else nnx.Param
+      setattr(self, name, kind(value, out_sharding=tuple(specs[name]), mesh=mesh))
+
+  def params(self) -> dict[str, jax.Array]:
+    """The parameters as the dict `moe.moe_apply` takes."""
+    return {name: getattr(self, name)[...] for name in self.param_names}
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`moe.moe_apply` on this layer's parameters.
+
+    Args:
+      x: [num_tokens, hidden] or [batch, seq, hidden] floating, sharded over ``config.token_axes`` on dim 0.
+
+    Returns:
+      y: x's shape and dtype; aux: ``{"load_balance_loss": [] float32, "expert_load": [num_experts] int32}``.
+    """
+    return moe.moe_apply(self.params(), x, self.config, self.mesh)
+
+
+class LinenMoE(nn.Module):
+  """Expert-parallel MoE layer (Linen).
+
+  Parameters live in the ``params`` collection under the keys of `moe.param_shapes`, boxed in `nn.Partitioned`
+  with their `moe.param_specs` and the mesh; they are drawn by `moe.init_params` from one ``params`` key, so an
+  FP8 weight and its scales always belong together.
+
+  Attributes:
+    config: the layer (a `moe.MoEConfig`).
+    mesh: the mesh the layer runs on.
+  """
+
+  config: moe.MoEConfig
+  mesh: Mesh
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`moe.moe_apply` on this layer's parameters; x and the results as for the NNX `MoE`."""
+    if not isinstance(self.config, moe.MoEConfig):
+      raise TypeError(f"LinenMoE: config must be a moe.MoEConfig, got {type(self.config).__name__}")
+    specs = moe.param_specs(self.config)
+    shapes = moe.param_shapes(self.config)
+    values: Optional[dict[str, Any]] = None
+    if self.is_initializing():
+      values = moe.init_params(self.make_rng("params"), self.config, self.mesh)
+
+    def init(_, name):
+      # Outside init, Linen still evaluates the initializer abstractly to check the stored shape.
+      return values[name] if values is not None else jnp.zeros(shapes[name].shape, shapes[name].dtype)
+
+    params = {}
+    for name, spec in specs.items():
+      params[name] = self.param(name, nn.with_partitioning(init, tuple(spec), mesh=self.mesh), name)
+    return moe.moe_apply(params, x, self.config, self.mesh)

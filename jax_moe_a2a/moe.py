@@ -1,0 +1,619 @@
+"""The expert-parallel MoE layer: `moe_apply(params, x, config, mesh)` under `jax.shard_map`, and its oracle.
+
+Per shard, in order (each stage under its own `jax.named_scope`):
+
+1. ``sequence_parallel_slice`` (sequence parallelism only): tokens arrive replicated over `tp_axis` (as after
+   tensor-parallel attention); tp rank i keeps rows ``[i * T / tp, (i + 1) * T / tp)`` of its T local tokens, so
+   no rank routes or computes a replicated token twice (DESIGN.md §1.4).
+2. ``router``: float32 logits ``x @ router`` and `routing.route` (softmax top-k or DeepSeek-V3 grouped sigmoid).
+3. ``aux``: the load-balance loss and the per-expert load, summed over every axis that holds distinct tokens.
+4. ``wire``: the activations are cast to the wire format (bf16, or E4M3 with one FP32 scale per 1x128 group),
+   dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at the receiver.
+5. ``experts``: `experts.expert_stage` with this rank's experts (permute, grouped SwiGLU, weighted un-permute).
+6. ``moe_combine``: `a2a.combine` sums each token's weighted expert outputs in float32.
+7. ``shared_experts``: the shared experts, run on the same (sliced) tokens and added.
+8. ``sequence_parallel_gather``: the slices are all-gathered over `tp_axis`.
+
+Without sequence parallelism every tp rank routes and dispatches its full replicated copy of the tokens: the
+baseline that sequence parallelism must equal up to float rounding.
+
+Experts live contiguously on the ranks of `expert_axis` (one mesh axis or a tuple of them, linearized row-major
+in the order given): expert e is local expert ``e % L`` of rank ``e // L``, ``L = num_experts / num_ranks``.
+
+The wire's gradient is straight-through: the backward pass sends the float32 cotangent of the received rows
+back with `a2a.combine` over the dispatch's own slots (the VJP of a dispatch is a combine), so no quantization
+error enters the gradient and no dispatch is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_moe_a2a import _ffi, a2a, experts, layout, quant, routing
+
+# Mesh axis names of the default layout: tokens over (data, expert), experts over expert.
+DATA_AXIS = "data"
+EXPERT_AXIS = "expert"
+TP_AXIS = "tp"
+
+WIRE_FORMATS: tuple[str, ...] = (layout.BF16, layout.FP8_BLOCKWISE)
+_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+AxisNames = Union[str, tuple[str, ...]]
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _axes_tuple(op: str, name: str, v: Any, *, allow_empty: bool) -> tuple[str, ...]:
+  axes = (v,) if isinstance(v, str) else v
+  if not isinstance(axes, tuple) or not all(isinstance(a, str) and a for a in axes) \
+      or (not axes and not allow_empty):
+    what = "a mesh axis name or a tuple of them" + ("" if allow_empty else " (at least one)")
+    raise ValueError(f"{op}: {name} must be {what}, got {v!r}")
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{op}: {name} must not repeat an axis, got {axes}")
+  return axes
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """A MoE layer; frozen and hashable, so it is a static argument.
+
+  Attributes:
+    num_experts: routed experts in the layer.
+    top_k: experts per token, ``1 <= top_k <= num_experts``.
+    hidden: model width H (a multiple of 128 for the fp8_blockwise wire).
+    ffn: intermediate width of one routed expert.
+    router_kind: ``"softmax"`` (softmax top-k) or ``"deepseek_v3"`` (sigmoid, correction bias, grouped top-k).
+    n_group, topk_group, renormalize, routed_scaling_factor: the router's settings, see `routing.RouterConfig`.
+    wire_format: how activations travel to the experts: ``"bf16"``, or ``"fp8_blockwise"`` (E4M3 with one FP32
+      scale per 1x128 group; payload bytes from `layout.dispatch_layout`).
+    token_axes: mesh axes the token dimension of x is sharded over (in this order); x is replicated over the
+      others. Empty: tokens replicated everywhere.
+    expert_axis: mesh axis, or tuple of axes, that the experts and the dispatch are sharded over.
+    tp_axis: optional mesh axis along which tokens arrive replicated (tensor parallelism); not in token_axes.
+    sequence_parallel: each tp rank routes, dispatches and computes only its 1/tp slice of the tokens, and the
+      slices are all-gathered at the end; needs tp_axis.
+    num_shared_experts: shared experts every token goes through (weight 1), 0 for none.
+    shared_ffn: intermediate width of one shared expert (default: ffn).
+    fp8_weights: routed expert weights stored as E4M3 with one FP32 scale per 128x128 block.
+    dtype: compute dtype: matmul operands, the decoded wire and the combine payload (bfloat16, float16 or
+      float32; matmuls accumulate in float32; router logits are always float32).
+    param_dtype: storage dtype of the non-FP8 parameters made by `init_params`.
+    impl: ``"auto" | "ffi" | "reference"``, passed to every op that takes an ``impl`` argument.
+  """
+
+  num_experts: int
+  top_k: int
+  hidden: int
+  ffn: int
+  router_kind: str = routing.SOFTMAX
+  n_group: int = 1
+  topk_group: int = 1
+  renormalize: bool = True
+  routed_scaling_factor: float = 1.0
+  wire_format: str = layout.BF16
+  token_axes: AxisNames = (DATA_AXIS, EXPERT_AXIS)
+  expert_axis: AxisNames = EXPERT_AXIS
+  tp_axis: Optional[str] = None
+  sequence_parallel: bool = False
+  num_shared_experts: int = 0
+  shared_ffn: Optional[int] = None
+  fp8_weights: bool = False
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  impl: str = "auto"
+
+  def __post_init__(self):
+    op = "MoEConfig"
+    for name in ("num_experts", "top_k", "hidden", "ffn"):
+      v = getattr(self, name)
+      if not _is_int(v) or v <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int, got {v!r}")
+    if self.top_k > self.num_experts:
+      raise ValueError(f"{op}: top_k must be <= num_experts={self.num_experts}, got {self.top_k}")
+    if self.wire_format not in WIRE_FORMATS:
+      raise ValueError(f"{op}: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {self.wire_format!r}")
+    try:
+      layout.dispatch_layout(self.hidden, self.wire_format, top_k=self.top_k)
+    except ValueError as e:
+      raise ValueError(f"{op}: hidden={self.hidden} does not fit wire_format {self.wire_format!r}: {e}") from None
+    object.__setattr__(self, "token_axes", _axes_tuple(op, "token_axes", self.token_axes, allow_empty=True))
+    expert_axes = _axes_tuple(op, "expert_axis", self.expert_axis, allow_empty=False)
+    object.__setattr__(self, "expert_axis", expert_axes[0] if len(expert_axes) == 1 else expert_axes)
+    if self.tp_axis is not None:
+      if not isinstance(self.tp_axis, str) or not self.tp_axis:
+        raise ValueError(f"{op}: tp_axis must be None or a mesh axis name, got {self.tp_axis!r}")
+      if self.tp_axis in self.token_axes:
+        raise ValueError(f"{op}: tp_axis must not be one of token_axes {self.token_axes} (tokens are replicated "
+                         f"over it), got {self.tp_axis!r}")
+    if not isinstance(self.sequence_parallel, bool):
+      raise ValueError(f"{op}: sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+    if self.sequence_parallel and self.tp_axis is None:
+      raise ValueError(f"{op}: sequence_parallel=True needs tp_axis (the axis tokens are replicated over), got None")
+    if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
+      raise ValueError(f"{op}: num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
+    if self.shared_ffn is not None and (not _is_int(self.shared_ffn) or self.shared_ffn <= 0):
+      raise ValueError(f"{op}: shared_ffn must be None or a positive int, got {self.shared_ffn!r}")
+    if not isinstance(self.fp8_weights, bool):
+      raise ValueError(f"{op}: fp8_weights must be a bool, got {self.fp8_weights!r}")
+    for name in ("dtype", "param_dtype"):
+      try:
+        dt = jnp.dtype(getattr(self, name))
+      except TypeError:
+        dt = None
+      if dt not in _COMPUTE_DTYPES:
+        raise ValueError(f"{op}: {name} must be bfloat16, float16 or float32, got {getattr(self, name)!r}")
+      object.__setattr__(self, name, dt)
+    if self.impl not in _ffi.IMPLS:
+      raise ValueError(f"{op}: impl must be one of {', '.join(_ffi.IMPLS)}, got {self.impl!r}")
+    try:
+      self.router_config  # pylint: disable=pointless-statement
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"{op}: invalid router settings: {e}") from None
+
+  @property
+  def router_config(self) -> routing.RouterConfig:
+    """The `routing.RouterConfig` of this layer."""
+    return routing.RouterConfig(kind=self.router_kind, num_experts=self.num_experts, top_k=self.top_k,
+                                n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                                routed_scaling_factor=self.routed_scaling_factor)
+
+  @property
+  def expert_axes(self) -> tuple[str, ...]:
+    """`expert_axis` as a tuple."""
+    return (self.expert_axis,) if isinstance(self.expert_axis, str) else self.expert_axis
+
+  @property
+  def shared_width(self) -> int:
+    """Intermediate width of one shared expert."""
+    return self.ffn if self.shared_ffn is None else self.shared_ffn
+
+  @property
+  def stat_axes(self) -> tuple[str, ...]:
+    """Axes holding distinct routed tokens: the token axes, plus tp_axis under sequence parallelism."""
+    return self.token_axes + ((self.tp_axis,) if self.sequence_parallel else ())
+
+
+def _mesh_axes(op: str, config: MoEConfig, mesh: Mesh) -> dict[str, int]:
+  """Checks that every axis the config names exists; returns the mesh's axis sizes."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  sizes = dict(mesh.shape)
+  named = [("token_axes", a) for a in config.token_axes] + [("expert_axis", a) for a in config.expert_axes]
+  if config.tp_axis is not None:
+    named.append(("tp_axis", config.tp_axis))
+  for field, a in named:
+    if a not in sizes:
+      raise ValueError(f"{op}: {field} must name axes of the mesh {tuple(sizes)}, got {a!r}")
+  num_ranks = int(np.prod([sizes[a] for a in config.expert_axes]))
+  if config.num_experts % num_ranks:
+    raise ValueError(f"{op}: num_experts must be divisible by the size of expert_axis {config.expert_axis!r} "
+                     f"({num_ranks}), got {config.num_experts}")
+  return sizes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def param_specs(config: MoEConfig) -> dict[str, P]:
+  """The `PartitionSpec` of every parameter of `config`'s layer (the keys of `init_params`' result).
+
+  Routed expert weights (and their FP8 scales) are sharded over `expert_axis` on dim 0; everything else is
+  replicated.
+  """
+  ex = config.expert_axis
+  specs = {"router": P(None, None)}
+  if config.router_kind == routing.DEEPSEEK_V3:
+    specs["router_bias"] = P(None)
+  specs["w_gate_up"] = P(ex, None, None)
+  specs["w_down"] = P(ex, None, None)
+  if config.fp8_weights:
+    specs["w_gate_up_sf"] = P(ex, None, None)
+    specs["w_down_sf"] = P(ex, None, None)
+  if config.num_shared_experts:
+    specs["shared_w_gate_up"] = P(None, None, None)
+    specs["shared_w_down"] = P(None, None, None)
+  return specs
+
+
+def param_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """Global shape and dtype of every parameter (the keys of `init_params`' result).
+
+  - ``router``: [hidden, num_experts] param_dtype;
+  - ``router_bias`` (deepseek_v3 only): [num_experts] float32, the score correction bias;
+  - ``w_gate_up``: [num_experts, 2 * ffn, hidden] (gate rows first), ``w_down``: [num_experts, hidden, ffn];
+    param_dtype, or float8_e4m3fn with ``w_gate_up_sf`` [num_experts, ceil(2 ffn / 128), ceil(hidden / 128)]
+    and ``w_down_sf`` [num_experts, ceil(hidden / 128), ceil(ffn / 128)] float32 (one scale per 128x128 block)
+    when fp8_weights;
+  - ``shared_w_gate_up``: [num_shared_experts, 2 * shared_ffn, hidden], ``shared_w_down``:
+    [num_shared_experts, hidden, shared_ffn], param_dtype (when num_shared_experts > 0).
+  """
+  e, h, f, pd = config.num_experts, config.hidden, config.ffn, config.param_dtype
+  blocks = lambda n: -(-n // quant.FP8_BLOCK)
+  sds = jax.ShapeDtypeStruct
+  wd = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_weights else pd
+  shapes = {"router": sds((h, e), pd)}
+  if config.router_kind == routing.DEEPSEEK_V3:
+    shapes["router_bias"] = sds((e,), jnp.dtype(jnp.float32))
+  shapes["w_gate_up"] = sds((e, 2 * f, h), wd)
+  shapes["w_down"] = sds((e, h, f), wd)
+  if config.fp8_weights:
+    shapes["w_gate_up_sf"] = sds((e, blocks(2 * f), blocks(h)), jnp.dtype(jnp.float32))
+    shapes["w_down_sf"] = sds((e, blocks(h), blocks(f)), jnp.dtype(jnp.float32))
+  if config.num_shared_experts:
+    s, fs = config.num_shared_experts, config.shared_width
+    shapes["shared_w_gate_up"] = sds((s, 2 * fs, h), pd)
+    shapes["shared_w_down"] = sds((s, h, fs), pd)
+  return shapes
+
+
+def _init_values(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
+  e, h, f, pd = config.num_experts, config.hidden, config.ffn, config.param_dtype
+  k_router, k_gu, k_dn, k_sgu, k_sdn = jax.random.split(key, 5)
+  normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in))
+  out = {"router": normal(k_router, (h, e), h).astype(pd)}
+  if config.router_kind == routing.DEEPSEEK_V3:
+    out["router_bias"] = jnp.zeros((e,), jnp.float32)
+  w_gate_up = normal(k_gu, (e, 2 * f, h), h).astype(pd)
+  w_down = normal(k_dn, (e, h, f), f).astype(pd)
+  if config.fp8_weights:
+    w = experts.ExpertWeights.quantize(w_gate_up, w_down)
+    out.update(w_gate_up=w.w_gate_up, w_down=w.w_down, w_gate_up_sf=w.w_gate_up_sf, w_down_sf=w.w_down_sf)
+  else:
+    out.update(w_gate_up=w_gate_up, w_down=w_down)
+  if config.num_shared_experts:
+    s, fs = config.num_shared_experts, config.shared_width
+    out["shared_w_gate_up"] = normal(k_sgu, (s, 2 * fs, h), h).astype(pd)
+    out["shared_w_down"] = normal(k_sdn, (s, h, fs), fs).astype(pd)
+  return out
+
+
+def init_params(key: jax.Array, config: MoEConfig, mesh: Mesh) -> dict[str, jax.Array]:
+  """Random parameters of `config`'s layer, created in place with their shardings (`param_specs`) on `mesh`.
+
+  Weights are normal with standard deviation 1/sqrt(fan_in); the DeepSeek correction bias starts at 0. With
+  fp8_weights the expert weights are drawn in param_dtype and quantized (E4M3, FP32 scale per 128x128 block).
+
+  Args:
+    key: a PRNG key.
+    config: the layer.
+    mesh: the mesh `moe_apply` will run on.
+
+  Returns:
+    A dict of arrays, shapes and dtypes as `param_shapes`, each with ``NamedSharding(mesh, param_specs[name])``.
+
+  Raises:
+    ValueError: an axis of the config is not in the mesh, or num_experts is not divisible by the expert axis.
+  """
+  op = "init_params"
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  _mesh_axes(op, config, mesh)
+  shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
+  return jax.jit(_init_values, static_argnums=1, out_shardings=shardings)(key, config)
+
+
+def _check_params(op: str, params: Any, config: MoEConfig) -> None:
+  if not isinstance(params, Mapping):
+    raise TypeError(f"{op}: params must be a dict of arrays (as init_params returns), got {type(params).__name__}")
+  want = param_shapes(config)
+  missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+  if missing or extra:
+    raise ValueError(f"{op}: params must have the keys {sorted(want)} for this config, got {sorted(params)} "
+                     f"(missing {missing}, unexpected {extra})")
+  for name, sds in want.items():
+    p = params[name]
+    shape, dtype = tuple(getattr(p, "shape", ())), getattr(p, "dtype", None)
+    if shape != sds.shape:
+      raise ValueError(f"{op}: params[{name!r}] must have shape {sds.shape}, got {shape}")
+    fp8 = sds.dtype == jnp.float8_e4m3fn
+    ok = dtype == sds.dtype if (fp8 or name.endswith("_sf") or name == "router_bias") \
+        else dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
+    if not ok:
+      expected = sds.dtype.name if (fp8 or name.endswith("_sf") or name == "router_bias") \
+          else "a floating dtype of 16 or 32 bits"
+      raise ValueError(f"{op}: params[{name!r}] must be {expected}, got {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wire: encode, dispatch, decode (straight-through gradient)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _call(fn, *args, impl: str, **kwargs):
+  """Calls an op, passing `impl` when the op takes one (ops without it have only their pure-JAX path)."""
+  if impl != "auto" and "impl" in inspect.signature(fn).parameters:
+    kwargs["impl"] = impl
+  return fn(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WireStatic:
+  wire_format: str
+  axis_name: Any
+  num_experts: int
+  dtype: Any  # of the decoded rows
+  x_dtype: Any  # of the tokens, and of their gradient
+  impl: str
+
+
+def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
+  with jax.named_scope("wire_encode"):
+    if st.wire_format == layout.FP8_BLOCKWISE:
+      x_q, x_sf = _call(quant.quantize_fp8_blockwise, x, impl=st.impl)
+    else:
+      x_q, x_sf = x.astype(jnp.bfloat16), None
+  res, handle = a2a.dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
+                             x_sf=x_sf)
+  with jax.named_scope("wire_decode"):
+    num_ranks, capacity, hidden = res.recv_x.shape
+    if x_sf is not None:
+      rows = _call(quant.dequantize_fp8_blockwise, res.recv_x.reshape(num_ranks * capacity, hidden),
+                   res.recv_x_sf.reshape(num_ranks * capacity, -1), impl=st.impl, dtype=st.dtype)
+      rows = rows.reshape(num_ranks, capacity, hidden)
+    else:
+      rows = res.recv_x.astype(st.dtype)
+  out = (rows, res.recv_topk_ids, res.recv_topk_weights, res.recv_counts, handle)
+  return out, (handle, res.recv_topk_ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _wire(st, x, topk_ids, topk_weights):
+  return _wire_forward(st, x, topk_ids, topk_weights)[0]
+
+
+def _wire_bwd(st, res, cts):
+  handle, recv_ids = res
+  ct_rows, _, ct_w, _, _ = cts
+  hidden = ct_rows.shape[-1]
+  # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
+  # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
+  # cotangent of the one rank holding its expert, as the VJP of dispatch does.
+  ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
+  payload = jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1)
+  back = a2a.combine(payload, handle, out_dtype=jnp.float32)  # one exchange for rows and weights
+  return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
+
+
+_wire.defvjp(_wire_forward, _wire_bwd)
+
+
+def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
+                  num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto"):
+  """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
+
+  The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
+  `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
+  received rows and weights go back in one `a2a.combine` over the dispatch's slots, so no quantization error
+  enters the gradient and no dispatch is recomputed.
+
+  Args:
+    x: [num_tokens, hidden] floating, this shard's tokens (sharded over axis_name's ranks on tokens).
+    topk_ids: [num_tokens, top_k] int32 global expert ids.
+    topk_weights: [num_tokens, top_k] float32.
+    wire_format: one of `WIRE_FORMATS`.
+    num_experts: global expert count, a multiple of the axis size.
+    axis_name: the expert mesh axis (or tuple of axes).
+    dtype: dtype of the decoded rows.
+    impl: passed to the quantization ops.
+
+  Returns:
+    rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
+    recv_topk_ids: [num_ranks, num_tokens, top_k] int32 local ids, -1 for none.
+    recv_topk_weights: [num_ranks, num_tokens, top_k] float32.
+    recv_counts: [num_ranks] int32.
+    handle: the `a2a.DispatchHandle` for `a2a.combine`.
+  """
+  if wire_format not in WIRE_FORMATS:
+    raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
+  st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
+                    dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype))
+  with jax.named_scope("wire"):
+    return _wire(st, x, topk_ids, topk_weights)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _router_probs(logits: jax.Array, config: MoEConfig) -> jax.Array:
+  """What the load-balance loss averages: softmax probabilities, or per-token normalized sigmoid scores."""
+  if config.router_kind == routing.SOFTMAX:
+    return jax.nn.softmax(logits, axis=-1)
+  scores = jax.nn.sigmoid(logits)
+  return scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def _route(params, x, config: MoEConfig, axis_name):
+  with jax.named_scope("router"):
+    logits = jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    topk_weights, topk_ids = routing.route(logits, config.router_config, params.get("router_bias"))
+  with jax.named_scope("aux"):
+    aux = {
+        "load_balance_loss": routing.load_balance_loss(_router_probs(logits, config), topk_ids,
+                                                       config.num_experts, axis_name=axis_name),
+        "expert_load": routing.expert_load(topk_ids, config.num_experts, axis_name=axis_name),
+    }
+  return topk_weights, topk_ids, aux
+
+
+def _shared_experts(params, x, config: MoEConfig, dtype) -> jax.Array:
+  """Sum over the shared experts of down(silu(gate(x)) * up(x)); [num_tokens, hidden] float32."""
+  fs = config.shared_width
+  w_gate_up = params["shared_w_gate_up"].astype(dtype)
+  w_down = params["shared_w_down"].astype(dtype)
+  h = jnp.einsum("th,sfh->tsf", x.astype(dtype), w_gate_up, preferred_element_type=jnp.float32)
+  act = (jax.nn.silu(h[..., :fs]) * h[..., fs:]).astype(dtype)
+  return jnp.einsum("tsf,shf->th", act, w_down, preferred_element_type=jnp.float32)
+
+
+def _expert_weights(params) -> experts.ExpertWeights:
+  return experts.ExpertWeights(params["w_gate_up"], params["w_down"], params.get("w_gate_up_sf"),
+                               params.get("w_down_sf"))
+
+
+def _body(params, x, *, config: MoEConfig):
+  """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
+  x_shape, x_dtype = x.shape, x.dtype
+  x = x.reshape(-1, config.hidden)
+  dtype = config.dtype
+  if config.sequence_parallel:
+    with jax.named_scope("sequence_parallel_slice"):
+      tp = jax.lax.axis_size(config.tp_axis)
+      part = x.shape[0] // tp
+      x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(config.tp_axis) * part, part, axis=0)
+  stat_axes = config.stat_axes or None
+  topk_weights, topk_ids, aux = _route(params, x, config, stat_axes)
+  rows, recv_ids, recv_w, _, handle = wire_dispatch(
+      x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
+      axis_name=config.expert_axis, dtype=dtype, impl=config.impl)
+  with jax.named_scope("experts"):
+    expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), out_dtype=dtype,
+                                      compute_dtype=dtype)
+  y = a2a.combine(expert_out, handle, out_dtype=jnp.float32)
+  if config.num_shared_experts:
+    with jax.named_scope("shared_experts"):
+      y = y + _shared_experts(params, x, config, dtype)
+  y = y.astype(x_dtype)
+  if config.sequence_parallel:
+    with jax.named_scope("sequence_parallel_gather"):
+      y = jax.lax.all_gather(y, config.tp_axis, axis=0, tiled=True)
+  return y.reshape(x_shape), aux["load_balance_loss"], aux["expert_load"]
+
+
+def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{op}: x must be an array [num_tokens, hidden] or [batch, seq, hidden], got {type(x).__name__}")
+  if x.ndim not in (2, 3) or x.shape[-1] != config.hidden:
+    raise ValueError(f"{op}: x must be [num_tokens, hidden={config.hidden}] or [batch, seq, hidden={config.hidden}], "
+                     f"got shape {tuple(x.shape)}")
+  if jnp.dtype(x.dtype) not in _COMPUTE_DTYPES:
+    raise ValueError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
+  shards = int(np.prod([sizes[a] for a in config.token_axes]))
+  lead = "num_tokens" if x.ndim == 2 else "batch"
+  if x.shape[0] % shards:
+    raise ValueError(f"{op}: x's {lead} must be divisible by the token sharding {config.token_axes} ({shards} "
+                     f"shards), got {x.shape[0]}")
+  if config.sequence_parallel:
+    local = x.shape[0] // shards * (x.shape[1] if x.ndim == 3 else 1)
+    tp = sizes[config.tp_axis]
+    if local % tp:
+      raise ValueError(f"{op}: the tokens of one shard must be divisible by the size of tp_axis {config.tp_axis!r} "
+                       f"({tp}) under sequence parallelism, got {local}")
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _moe_apply(params, x, config: MoEConfig, mesh: Mesh):
+  tok = config.token_axes or None
+  x_spec = P(tok, *([None] * (x.ndim - 1)))
+  specs = param_specs(config)
+  # check_vma=False: without sequence parallelism the output is equal on every tp rank but, having come
+  # through an all_to_all, is typed as varying over tp; there is no cast from varying to replicated. With
+  # check_vma off, shard_map's transpose divides replicated outputs' cotangents by the replica count and sums
+  # replicated inputs' cotangents over the replicas, which is exact for a layer whose replicas agree.
+  fn = jax.shard_map(functools.partial(_body, config=config), mesh=mesh,
+                     in_specs=({name: specs[name] for name in params}, x_spec),
+                     out_specs=(x_spec, P(), P(None)), check_vma=False)
+  y, loss, load = fn(dict(params), x)
+  return y, {"load_balance_loss": loss, "expert_load": load}
+
+
+def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig,
+              mesh: Mesh) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
+
+  Jitted inside (config and mesh are static); call it from inside `jax.jit` or eagerly. All checks run at trace
+  time.
+
+  Args:
+    params: the parameters, as `init_params` returns them (shapes in `param_shapes`; shardings
+      `param_specs`: routed experts sharded over expert_axis on dim 0, the rest replicated).
+    x: [num_tokens, hidden] or [batch, seq, hidden] bfloat16/float16/float32, dim 0 sharded over
+      `config.token_axes` (``P(token_axes, None)``), replicated over the other axes (tp_axis in particular).
+    config: the layer.
+    mesh: a mesh holding every axis the config names.
+
+  Returns:
+    y: x's shape and dtype and sharding: routed experts (sum of top-k weight * expert) plus shared experts.
+    aux: ``{"load_balance_loss": [] float32, "expert_load": [num_experts] int32}``, replicated, computed over all
+      tokens of the layer (`routing.load_balance_loss`, `routing.expert_load`).
+
+  Raises:
+    TypeError, ValueError: at trace time, for a config that is not a MoEConfig, axes missing from the mesh,
+      num_experts not divisible by the expert axis size, a token count not divisible by the token sharding (or,
+      under sequence parallelism, a shard's tokens by the tp size), and params or x of the wrong shape or dtype.
+  """
+  op = "moe_apply"
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  sizes = _mesh_axes(op, config, mesh)
+  _check_params(op, params, config)
+  _check_x(op, x, config, sizes)
+  return _moe_apply(dict(params), x, config, mesh)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dense oracle
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def moe_dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
+                        config: MoEConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Single-device float32 oracle of `moe_apply`: every token through its top-k experts, no dispatch, no wire.
+
+  Routing is the same (`routing.route` on float32 logits); each (token, k) assignment runs expert
+  ``topk_ids[t, k]`` in float32 (FP8 weights dequantized, matmuls at HIGHEST precision), the results are
+  weighted and summed over k, and the shared experts are added. Mesh, wire format, sequence parallelism and the
+  compute dtype play no part. Differentiable.
+
+  Args:
+    params: as for `moe_apply` (any sharding; the computation gathers what it needs).
+    x: [num_tokens, hidden] or [batch, seq, hidden] floating.
+    config: the layer.
+
+  Returns:
+    y: x's shape, float32.
+    aux: as `moe_apply`'s, over all tokens.
+  """
+  op = "moe_dense_reference"
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  _check_params(op, params, config)
+  if getattr(x, "ndim", 0) not in (2, 3) or x.shape[-1] != config.hidden:
+    raise ValueError(f"{op}: x must be [num_tokens, hidden={config.hidden}] or [batch, seq, hidden], "
+                     f"got shape {tuple(getattr(x, 'shape', ()))}")
+  f32 = jnp.float32
+  with jax.default_matmul_precision("highest"):
+    xs = x.reshape(-1, config.hidden).astype(f32)
+    topk_weights, topk_ids, aux = _route(params, xs, config, None)
+    num_tokens, top_k = topk_ids.shape
+    w_gate_up, w_down = _expert_weights(params).dequantized(f32)
+    flat = topk_ids.reshape(-1)  # route only returns valid ids
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.zeros((config.num_experts,), jnp.int32).at[flat].add(1)
+    y_sorted = experts.swiglu_mlp_reference(xs[order // top_k], group_sizes,
+                                            experts.ExpertWeights(w_gate_up, w_down), compute_dtype=f32)
+    y_assign = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_tokens, top_k, config.hidden)
+    y = jnp.einsum("tk,tkh->th", topk_weights, y_assign)
+    if config.num_shared_experts:
+      y = y + _shared_experts(params, xs, config, f32)
+  return y.reshape(x.shape), aux

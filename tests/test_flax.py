@@ -1,0 +1,109 @@
+"""Tests of the Flax layers (jax_moe_a2a.flax_moe): each equals `moe.moe_apply` on its own parameters, carries
+its parameters' shardings, and passes gradients to them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_moe_a2a import flax_moe, moe
+
+HIDDEN = 256
+
+
+def _setup(fp8_weights=False):
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "tp"))
+  config = moe.MoEConfig(num_experts=16, top_k=4, hidden=HIDDEN, ffn=128, dtype=jnp.float32,
+                         token_axes=("data",), expert_axis=("data", "tp"), tp_axis="tp", sequence_parallel=True,
+                         num_shared_experts=1, fp8_weights=fp8_weights)
+  x = jax.random.normal(jax.random.key(1), (64, HIDDEN), jnp.float32)
+  return config, mesh, jax.device_put(x, NamedSharding(mesh, P("data", None)))
+
+
+def _loss(y):
+  return jnp.sum(y * jnp.arange(HIDDEN, dtype=jnp.float32) / HIDDEN)
+
+
+def test_nnx_module_equals_moe_apply_has_shardings_and_passes_gradients():
+  config, mesh, x = _setup()
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  specs = moe.param_specs(config)
+  assert set(layer.param_names) == set(specs)
+  for name in layer.param_names:
+    var = getattr(layer, name)
+    assert isinstance(var, nnx.Param), name
+    assert P(*var.get_metadata()["out_sharding"]) == specs[name], name
+    assert var[...].sharding.is_equivalent_to(NamedSharding(mesh, specs[name]), var[...].ndim), name
+
+  def loss(layer, x):
+    y, aux = layer(x)
+    return _loss(y), (y, aux)
+
+  (_, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+  (_, (y_ref, aux_ref)), ref = jax.value_and_grad(
+      lambda p: (lambda y, aux: (_loss(y), (y, aux)))(*moe.moe_apply(p, x, config, mesh)), has_aux=True)(
+          layer.params())
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(aux_ref["expert_load"]))
+  assert set(ref) == set(layer.param_names)
+  for name in layer.param_names:
+    g = np.asarray(grads[name][...])
+    assert np.any(g != 0), name
+    np.testing.assert_allclose(g, np.asarray(ref[name]), rtol=1e-5, atol=1e-6 * np.abs(g).max())
+
+
+def test_nnx_training_step_updates_only_params():
+  config, mesh, x = _setup(fp8_weights=True)
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(0))
+  for name in layer.param_names:
+    assert isinstance(getattr(layer, name), flax_moe.FP8Weight if name.startswith("w_") else nnx.Param), name
+  assert layer.w_gate_up[...].dtype == jnp.float8_e4m3fn
+  before = {name: np.asarray(getattr(layer, name)[...]).astype(np.float32) for name in layer.param_names}
+
+  @nnx.jit
+  def step(layer, x):
+    grads = nnx.grad(lambda layer: _loss(layer(x)[0]))(layer)
+    params = nnx.state(layer, nnx.Param)
+    nnx.update(layer, jax.tree.map(lambda p, g: p - 1e-2 * g, params, grads))
+
+  step(layer, x)
+  changed = {name for name in layer.param_names
+             if not np.array_equal(before[name], np.asarray(getattr(layer, name)[...]).astype(np.float32))}
+  assert changed == {"router", "shared_w_gate_up", "shared_w_down"}  # FP8 expert weights are not trained
+
+
+def test_linen_module_equals_moe_apply_and_gradients_flow():
+  config, mesh, x = _setup()
+  layer = flax_moe.LinenMoE(config=config, mesh=mesh)
+  variables = layer.init(jax.random.key(0), x)
+  specs = nn.get_partition_spec(variables)["params"]
+  assert specs == moe.param_specs(config)
+  params = nn.unbox(variables)["params"]
+  assert params["w_gate_up"].sharding.is_equivalent_to(NamedSharding(mesh, specs["w_gate_up"]), 3)
+
+  def loss(apply, p):
+    y, aux = apply(p)
+    return _loss(y), (y, aux)
+
+  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(lambda v: loss(lambda v: layer.apply(v, x), v), has_aux=True))(
+      variables)
+  (_, (y_ref, _)), ref = jax.value_and_grad(lambda p: loss(lambda p: moe.moe_apply(p, x, config, mesh), p),
+                                            has_aux=True)(params)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  assert aux["expert_load"].shape == (16,)
+  grads = nn.unbox(grads)["params"]
+  for name in ref:
+    assert np.any(np.asarray(grads[name]) != 0), name
+    np.testing.assert_allclose(np.asarray(grads[name]), np.asarray(ref[name]), rtol=1e-5,
+                               atol=1e-6 * np.abs(np.asarray(ref[name])).max())
+
+
+def test_modules_reject_a_non_config():
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "expert"))
+  with pytest.raises(TypeError, match="MoE: config must be a moe.MoEConfig, got dict"):
+    flax_moe.MoE(config={}, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="LinenMoE: config must be a moe.MoEConfig, got int"):
+    flax_moe.LinenMoE(config=42, mesh=mesh).init(jax.random.key(0), jnp.zeros((8, HIDDEN)))

@@ -1,0 +1,462 @@
+"""Tests of the MoE layer (jax_moe_a2a.moe): `moe_apply` against the dense single-device FP32 oracle.
+
+Shapes are small (16 experts, top-4, hidden 256, ffn 128, 64 tokens) so that every mesh, sequence-parallel
+setting, wire format and weight format compiles quickly on 8 simulated CPU devices.
+
+Tolerances, and why:
+
+- FP32 compute, BF16 wire (x is BF16-exact, so the wire is lossless), BF16 or FP8 weights (the oracle
+  dequantizes the same FP8 weights): the only difference from the oracle is the float32 summation order
+  (per-rank partial sums in the combine, tiled matmuls), so ``max |err| <= 2e-5 * max |ref|`` (observed 3e-7).
+- FP8-blockwise wire: the experts see E4M3 activations, whose 3 mantissa bits round with a relative error
+  uniform in +-2^-4, RMS 2^-4/sqrt(3) = 3.6%, so ``calc_diff(x, y) = 1 - 2 sum(x y) / sum(x^2 + y^2)``, about
+  half the squared relative error, is ~6.5e-4 for the activations themselves. Outputs and gradients must stay
+  below 2e-3 (observed 5e-4 to 8e-4). Gradients are straight-through (tested bit for bit separately), so only
+  the forward activations carry quantization error.
+- BF16 compute: operands and the combine payload round to 8 bits of mantissa; ``calc_diff < 1e-4`` and
+  ``max |err| <= 3e-2 * max |ref|`` (observed 7e-6 and 8e-3).
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_moe_a2a import a2a, experts, moe, routing
+
+HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
+F32_TOL = 2e-5  # max |err| / max |ref| with float32 compute
+FP8_CALC_DIFF = 2e-3
+BF16_CALC_DIFF, BF16_TOL = 1e-4, 3e-2
+
+
+def calc_diff(x, y) -> float:
+  x = np.asarray(x, np.float64)
+  y = np.asarray(y, np.float64)
+  return 1.0 - 2.0 * float(np.sum(x * y)) / float(np.sum(x * x + y * y))
+
+
+def max_rel(x, y) -> float:
+  x = np.asarray(x, np.float64)
+  y = np.asarray(y, np.float64)
+  return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+
+
+def _config(**kw):
+  base = dict(num_experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN, ffn=FFN, dtype=jnp.float32)
+  base.update(kw)
+  return moe.MoEConfig(**base)
+
+
+def _mesh(shape, names):
+  return Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_params(config, seed):
+  """Parameters as NumPy arrays (shapes of `moe.param_shapes`), independent of the test's mesh.
+
+  Drawn with NumPy rather than `moe.init_params` (tested on its own below) to save a compilation per config.
+  """
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, sds in moe.param_shapes(config).items():
+    if name.endswith("_sf"):
+      continue
+    if name == "router_bias":
+      out[name] = (0.1 * rng.standard_normal(sds.shape)).astype(np.float32)
+      continue
+    out[name] = (rng.standard_normal(sds.shape) / np.sqrt(sds.shape[-1])).astype(np.float32)
+  if config.fp8_weights:
+    w = experts.ExpertWeights.quantize(jnp.asarray(out["w_gate_up"]), jnp.asarray(out["w_down"]))
+    out.update({k: np.asarray(getattr(w, k)) for k in ("w_gate_up", "w_down", "w_gate_up_sf", "w_down_sf")})
+  return out
+
+
+def _inputs(config, mesh, *, seed=0, num_tokens=TOKENS, shape=None):
+  """(params, x, ct) placed on the mesh; x holds BF16-exact float32 values (a lossless BF16 wire)."""
+  params = {k: jax.device_put(v, NamedSharding(mesh, moe.param_specs(config)[k]))
+            for k, v in _host_params(config, seed).items()}
+  shape = shape or (num_tokens, HIDDEN)
+  kx, kc = jax.random.split(jax.random.key(100 + seed))
+  x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+  ct = jax.random.normal(kc, shape, jnp.float32)
+  spec = P(config.token_axes or None, *([None] * (len(shape) - 1)))
+  return params, jax.device_put(x, NamedSharding(mesh, spec)), jax.device_put(ct, NamedSharding(mesh, spec))
+
+
+def _trained(params):
+  return [k for k in params if params[k].dtype != jnp.float8_e4m3fn and not k.endswith("_sf") and k != "router_bias"]
+
+
+def _value_and_grads(apply):
+  """jit of (y, aux, grads) for loss = sum(y * ct) + 0.1 * load_balance_loss; grads w.r.t. x and float weights."""
+
+  def loss(trained, rest, x, ct):
+    y, aux = apply({**rest, **trained}, x)
+    return jnp.sum(y.astype(jnp.float32) * ct) + 0.1 * aux["load_balance_loss"], (y, aux)
+
+  @jax.jit
+  def fn(params, x, ct):
+    names = _trained(params)
+    trained = {k: params[k] for k in names}
+    rest = {k: v for k, v in params.items() if k not in names}
+    (_, (y, aux)), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)(trained, rest, x, ct)
+    return y, aux, {"x": g_x, **g_params}
+
+  return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle_fn(config):
+  return _value_and_grads(lambda p, x: moe.moe_dense_reference(p, x, config))
+
+
+def _run(config, mesh, **kw):
+  """(moe_apply results, oracle results), each (y, aux, grads) as NumPy."""
+  params, x, ct = _inputs(config, mesh, **kw)
+  got = _value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x, ct)
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  # The oracle depends on neither mesh nor wire nor compute dtype: share its compilation between tests.
+  oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
+                                      expert_axis="expert", tp_axis=None, sequence_parallel=False)
+  want = _oracle_fn(oracle_config)(*jax.device_put((params, x, ct), one))
+  return jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want)
+
+
+def _assert_close(got, want, tol):
+  y, aux, grads = got
+  y_ref, aux_ref, grads_ref = want
+  assert y.shape == y_ref.shape
+  assert max_rel(y, y_ref) <= tol, f"output: {max_rel(y, y_ref):.2e} > {tol:.0e}"
+  np.testing.assert_array_equal(aux["expert_load"], aux_ref["expert_load"])
+  np.testing.assert_allclose(aux["load_balance_loss"], aux_ref["load_balance_loss"], rtol=1e-5)
+  assert sorted(grads) == sorted(grads_ref)
+  for name in grads:
+    assert max_rel(grads[name], grads_ref[name]) <= tol, f"grad {name}: {max_rel(grads[name], grads_ref[name]):.2e}"
+
+
+def _assert_calc_diff(got, want, limit):
+  y, aux, grads = got
+  y_ref, aux_ref, grads_ref = want
+  assert calc_diff(y, y_ref) < limit, f"output: calc_diff {calc_diff(y, y_ref):.2e}"
+  np.testing.assert_array_equal(aux["expert_load"], aux_ref["expert_load"])
+  for name in grads:
+    d = calc_diff(grads[name], grads_ref[name])
+    assert d < limit, f"grad {name}: calc_diff {d:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The oracle itself
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_dense_reference_matches_per_token_loops():
+  """The oracle against float64 NumPy loops: each token through each of its top-k experts, one by one."""
+  config = _config(num_shared_experts=1, shared_ffn=64)
+  mesh = _mesh((1, 1), ("data", "expert"))
+  params, x, _ = _inputs(config, mesh, num_tokens=16)
+  y, aux = jax.jit(moe.moe_dense_reference, static_argnums=2)(params, x, config)
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  xs = np.asarray(x, np.float64)
+  logits = xs @ p["router"]
+  weights, ids = routing.route(jnp.asarray(logits, jnp.float32), config.router_config)
+  silu = lambda v: v / (1.0 + np.exp(-v))
+  mlp = lambda w_gu, w_dn, v: w_dn @ (silu(w_gu[:FFN] @ v) * (w_gu[FFN:] @ v)) if w_gu.shape[0] == 2 * FFN \
+      else w_dn @ (silu(w_gu[:64] @ v) * (w_gu[64:] @ v))
+  want = np.zeros_like(xs)
+  for t in range(xs.shape[0]):
+    for k in range(TOP_K):
+      e = int(ids[t, k])
+      want[t] += float(weights[t, k]) * mlp(p["w_gate_up"][e], p["w_down"][e], xs[t])
+    want[t] += mlp(p["shared_w_gate_up"][0], p["shared_w_down"][0], xs[t])
+  assert y.dtype == jnp.float32
+  assert max_rel(y, want) <= 1e-5
+  np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.bincount(np.asarray(ids).ravel(), minlength=16))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Meshes, sequence parallelism, formats
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_matches_oracle_on_data_expert_meshes(shape):
+  """Tokens over (data, expert), experts over expert: forward, aux and every gradient equal the oracle."""
+  config = _config()
+  got, want = _run(config, _mesh(shape, ("data", "expert")))
+  _assert_close(got, want, F32_TOL)
+
+
+# (mesh shape, axis names, config overrides): tp inside the expert axis, and tp beside it.
+_TP_CASES = {
+    "tp_in_expert_axis": ((2, 4), ("data", "tp"), dict(token_axes=("data",), expert_axis=("data", "tp"),
+                                                        tp_axis="tp")),
+    "tp_beside_expert_axis": ((4, 2), ("expert", "tp"), dict(token_axes=("expert",), expert_axis="expert",
+                                                             tp_axis="tp", num_shared_experts=2,
+                                                             router_kind="deepseek_v3", n_group=4, topk_group=2,
+                                                             routed_scaling_factor=2.5)),
+}
+
+
+def _all_to_all_capacities(config, mesh, params, x):
+  """The capacities (dim 1) of the [num_ranks, capacity, ...] buffers that the forward pass exchanges."""
+  text = str(jax.make_jaxpr(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x))
+  return {int(c) for c in re.findall(r":[a-z0-9]+\[\d+,(\d+)[^\]]*\] = all_to_all\[", text)}
+
+
+@pytest.mark.parametrize("case", sorted(_TP_CASES))
+def test_sequence_parallel_matches_oracle_and_baseline(case):
+  """Tokens replicated over tp: with and without sequence parallelism the layer equals the oracle (and so each
+  other); with it, every rank dispatches only its 1/tp slice (capacity T/tp instead of T)."""
+  shape, names, kw = _TP_CASES[case]
+  mesh = _mesh(shape, names)
+  tp = dict(zip(names, shape))["tp"]
+  token_shards = int(np.prod([dict(zip(names, shape))[a] for a in kw["token_axes"]]))
+  results = {}
+  for sp in (False, True):
+    config = _config(sequence_parallel=sp, **kw)
+    # The 3-D case: [batch, seq, hidden] with batch sharded.
+    x_shape = (8, TOKENS // 8, HIDDEN) if case == "tp_beside_expert_axis" else None
+    results[sp] = _run(config, mesh, shape=x_shape)
+    _assert_close(*results[sp], F32_TOL)
+    params, x, _ = _inputs(config, mesh, shape=x_shape)
+    local = TOKENS // token_shards
+    assert _all_to_all_capacities(config, mesh, params, x) == {local // tp if sp else local}
+  assert max_rel(results[True][0][0], results[False][0][0]) <= F32_TOL
+
+
+def test_fp8_wire_with_sequence_parallelism():
+  shape, names, kw = _TP_CASES["tp_in_expert_axis"]
+  config, mesh = _config(wire_format="fp8_blockwise", sequence_parallel=True, **kw), _mesh(shape, names)
+  got, want = _run(config, mesh)
+  _assert_calc_diff(got, want, FP8_CALC_DIFF)
+  assert max_rel(got[0], want[0]) > 1e-4  # the wire really is FP8: the output is not the exact one
+
+
+def test_fp8_weights_match_oracle_tightly():
+  """The oracle dequantizes the same FP8 weights, so with a lossless wire and FP32 compute only rounding differs."""
+  config = _config(fp8_weights=True)
+  got, want = _run(config, _mesh((2, 4), ("data", "expert")))
+  assert sorted(got[2]) == ["router", "x"]  # FP8 weights are not trained
+  _assert_close(got, want, F32_TOL)
+
+
+def test_fp8_wire_and_fp8_weights():
+  config = _config(fp8_weights=True, wire_format="fp8_blockwise")
+  got, want = _run(config, _mesh((4, 2), ("data", "expert")))
+  _assert_calc_diff(got, want, FP8_CALC_DIFF)
+  assert max_rel(got[0], want[0]) > 1e-4
+
+
+def test_bf16_compute():
+  config = _config(dtype=jnp.bfloat16)
+  got, want = _run(config, _mesh((2, 4), ("data", "expert")))
+  _assert_calc_diff(got, want, BF16_CALC_DIFF)
+  assert max_rel(got[0], want[0]) <= BF16_TOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wire's gradient
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _wire_vjps(num_ranks=4, num_tokens=12):
+  """dx and d(topk_weights) of the FP8 wire and of a plain float32 dispatch, for the same cotangents."""
+  rng = np.random.default_rng(0)
+  ids = rng.integers(-1, EXPERTS, size=(num_ranks * num_tokens, TOP_K)).astype(np.int32)
+  w = rng.random((num_ranks * num_tokens, TOP_K)).astype(np.float32)
+  x = rng.standard_normal((num_ranks * num_tokens, HIDDEN)).astype(np.float32)
+  ct_rows = rng.standard_normal((num_ranks * num_ranks, num_tokens, HIDDEN)).astype(np.float32)
+  ct_w = rng.standard_normal((num_ranks * num_ranks, num_tokens, TOP_K)).astype(np.float32)
+  mesh = _mesh((num_ranks,), ("ep",))
+
+  def body(x, ids, w, ct_rows, ct_w):
+    def wire(x, w):
+      rows, _, recv_w, _, _ = moe.wire_dispatch(x, ids, w, wire_format="fp8_blockwise", num_experts=EXPERTS,
+                                                axis_name="ep", dtype=jnp.float32)
+      return rows, recv_w
+
+    def plain(x, w):
+      res, _ = a2a.dispatch(x, ids, w, num_experts=EXPERTS, axis_name="ep")
+      return res.recv_x, res.recv_topk_weights
+
+    _, vjp_wire = jax.vjp(wire, x, w)
+    _, vjp_plain = jax.vjp(plain, x, w)
+    return vjp_wire((ct_rows, ct_w)) + vjp_plain((ct_rows, ct_w))
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+  return [np.asarray(a) for a in fn(x, ids, w, ct_rows, ct_w)]
+
+
+def test_fp8_wire_gradient_is_straight_through():
+  """The FP8 wire's VJP is the float32 dispatch's VJP, bit for bit: no quantization in the backward pass."""
+  dx, dw, dx_plain, dw_plain = _wire_vjps()
+  assert np.any(dx != 0) and np.any(dw != 0)
+  np.testing.assert_array_equal(dx, dx_plain)
+  np.testing.assert_array_equal(dw, dw_plain)
+
+
+@pytest.mark.parametrize("wire_format", ["bf16", "fp8_blockwise"])
+def test_backward_adds_two_exchanges_and_no_dispatch(wire_format):
+  """The backward pass is one combine for the wire and one dispatch-shaped exchange for the combine's VJP."""
+  config = _config(wire_format=wire_format)
+  mesh = _mesh((2, 4), ("data", "expert"))
+  params, x, _ = _inputs(config, mesh)
+
+  def count(fn):
+    return str(jax.make_jaxpr(fn)(params, x)).count("all_to_all[")
+
+  forward = count(lambda p, x: moe.moe_apply(p, x, config, mesh)[0])
+  backward = count(jax.grad(lambda p, x: jnp.sum(moe.moe_apply(p, x, config, mesh)[0]), argnums=(0, 1)))
+  # dispatch: x (+ scales for fp8), ids, weights, counts; combine: 1.
+  assert forward == (6 if wire_format == "fp8_blockwise" else 5)
+  assert backward == forward + 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_jit_training_step_lowers_the_loss():
+  """Toy regression: fit a teacher MoE's outputs with Adam; 20 jitted steps at least halve the loss."""
+  config = _config()
+  mesh = _mesh((2, 4), ("data", "expert"))
+  student, x, _ = _inputs(config, mesh, seed=0)
+  teacher, _, _ = _inputs(config, mesh, seed=1)
+  target = moe.moe_apply(teacher, x, config, mesh)[0]
+  opt = optax.adam(3e-3)
+
+  def loss_fn(params):
+    y, aux = moe.moe_apply(params, x, config, mesh)
+    return jnp.mean((y - target) ** 2) + 1e-2 * aux["load_balance_loss"]
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = opt.init(student)
+  losses = []
+  for _ in range(20):
+    student, state, loss = step(student, state)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses))
+  assert losses[-1] < 0.5 * losses[0], losses
+  assert student["w_gate_up"].sharding.is_equivalent_to(NamedSharding(mesh, moe.param_specs(config)["w_gate_up"]), 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_init_params_shapes_and_shardings(fp8_weights):
+  config = _config(fp8_weights=fp8_weights, router_kind="deepseek_v3", n_group=4, topk_group=2,
+                   num_shared_experts=1, token_axes=("data",), expert_axis=("data", "tp"), tp_axis="tp")
+  mesh = _mesh((2, 4), ("data", "tp"))
+  params = moe.init_params(jax.random.key(0), config, mesh)
+  shapes, specs = moe.param_shapes(config), moe.param_specs(config)
+  assert sorted(params) == sorted(shapes) == sorted(specs)
+  for name, p in params.items():
+    assert (p.shape, p.dtype) == (shapes[name].shape, shapes[name].dtype), name
+    assert p.sharding == NamedSharding(mesh, specs[name]), name
+  assert params["w_gate_up"].addressable_shards[0].data.shape[0] == EXPERTS // 8
+  assert params["router"].addressable_shards[0].data.shape == (HIDDEN, EXPERTS)
+  np.testing.assert_array_equal(np.asarray(params["router_bias"]), 0.0)
+  assert params["w_gate_up"].dtype == (jnp.float8_e4m3fn if fp8_weights else jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors at trace time
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(top_k=17), "MoEConfig: top_k must be <= num_experts=16, got 17"),
+    (dict(top_k=0), "MoEConfig: top_k must be a positive int, got 0"),
+    (dict(hidden=200, wire_format="fp8_blockwise"), "hidden=200 does not fit wire_format 'fp8_blockwise'"),
+    (dict(wire_format="nvfp4"), "wire_format must be one of bf16, fp8_blockwise, got 'nvfp4'"),
+    (dict(sequence_parallel=True), "sequence_parallel=True needs tp_axis"),
+    (dict(tp_axis="data"), "tp_axis must not be one of token_axes"),
+    (dict(expert_axis=("expert", "expert")), "expert_axis must not repeat an axis"),
+    (dict(expert_axis=()), "expert_axis must be a mesh axis name or a tuple of them"),
+    (dict(dtype=jnp.int32), "dtype must be bfloat16, float16 or float32"),
+    (dict(impl="cuda"), "impl must be one of auto, ffi, reference"),
+    (dict(router_kind="deepseek_v3", n_group=3), "invalid router settings"),
+    (dict(num_shared_experts=-1), "num_shared_experts must be an int >= 0"),
+])
+def test_config_errors(kw, match):
+  with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+    _config(**kw)
+
+
+def _error_case(name):
+  """(config, mesh, params, x) with one thing wrong."""
+  config = _config()
+  mesh = _mesh((2, 4), ("data", "expert"))
+  params, x, _ = _inputs(config, mesh)
+  if name == "missing_axis":
+    config = _config(expert_axis="experts")
+  elif name == "experts_not_divisible":
+    config = _config(num_experts=18)
+  elif name == "tp_missing":
+    config = _config(token_axes=("data",), tp_axis="tp")
+  elif name == "tokens_not_divisible":
+    x = x[:60]
+  elif name == "sp_tokens_not_divisible":
+    mesh = _mesh((2, 4), ("data", "tp"))
+    config = _config(token_axes=("data",), expert_axis=("data", "tp"), tp_axis="tp", sequence_parallel=True)
+    x = x[:36]
+  elif name == "x_hidden":
+    x = x[:, :128]
+  elif name == "x_rank":
+    x = x[0]
+  elif name == "x_dtype":
+    x = x.astype(jnp.int32)
+  elif name == "param_shape":
+    params = dict(params, w_down=params["w_down"][:, :, :64])
+  elif name == "param_missing":
+    params = {k: v for k, v in params.items() if k != "router"}
+  elif name == "param_dtype":
+    params = dict(params, w_gate_up=params["w_gate_up"].astype(jnp.int8))
+  elif name == "fp8_scales_missing":
+    config = _config(fp8_weights=True)
+  return config, mesh, params, x
+
+
+@pytest.mark.parametrize("name,match", [
+    ("missing_axis", r"moe_apply: expert_axis must name axes of the mesh \('data', 'expert'\), got 'experts'"),
+    ("experts_not_divisible", r"num_experts must be divisible by the size of expert_axis 'expert' \(4\), got 18"),
+    ("tp_missing", r"tp_axis must name axes of the mesh \('data', 'expert'\), got 'tp'"),
+    ("tokens_not_divisible", r"num_tokens must be divisible by the token sharding .* \(8 shards\), got 60"),
+    ("sp_tokens_not_divisible", r"divisible by the size of tp_axis 'tp' \(4\) under sequence parallelism, got 18"),
+    ("x_hidden", r"x must be \[num_tokens, hidden=256\] .*got shape \(64, 128\)"),
+    ("x_rank", r"x must be \[num_tokens, hidden=256\] .*got shape \(256,\)"),
+    ("x_dtype", r"x must be bfloat16, float16 or float32, got int32"),
+    ("param_shape", r"params\['w_down'\] must have shape \(16, 256, 128\), got \(16, 256, 64\)"),
+    ("param_missing", r"params must have the keys .* \(missing \['router'\], unexpected \[\]\)"),
+    ("param_dtype", r"params\['w_gate_up'\] must be a floating dtype of 16 or 32 bits, got int8"),
+    ("fp8_scales_missing", r"params must have the keys .*missing \['w_down_sf', 'w_gate_up_sf'\]"),
+])
+def test_moe_apply_errors(name, match):
+  config, mesh, params, x = _error_case(name)
+  with pytest.raises(ValueError, match=match):
+    moe.moe_apply(params, x, config, mesh)
+  with pytest.raises(ValueError, match=match):  # the same error when traced under jit
+    jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh)).lower(params, x)
+
+
+def test_moe_apply_rejects_a_non_config():
+  mesh = _mesh((2, 4), ("data", "expert"))
+  with pytest.raises(TypeError, match="moe_apply: config must be a MoEConfig, got dict"):
+    moe.moe_apply({}, jnp.zeros((8, HIDDEN)), {"num_experts": 16}, mesh)
