@@ -69,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--fp8-weights", action="store_true", help="routed expert weights in FP8 with 128x128 block scales")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                  help="compute dtype of the layer (default: bfloat16)")
+  p.add_argument("--a2a", choices=("auto", "ffi", "reference"), default="auto",
+                 help="dispatch/combine: the one-sided custom calls (ffi), the all_to_all twin (reference), or ffi "
+                      "when the extension is built for this backend (auto, the default)")
   p.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step (default: 5)")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
   p.add_argument("--max-calc-diff", type=float, default=None,
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
-  from jax_moe_a2a import layout, moe  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a import _ffi, layout, moe  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()
   n = len(devices)
@@ -171,7 +174,10 @@ def run(args: argparse.Namespace) -> int:
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
   split = lambda p: ({k: p[k] for k in trained}, {k: v for k, v in p.items() if k not in trained})
-  step = jax.jit(loss_fn(lambda p, x: moe.moe_apply(p, x, config, mesh)))
+  use_ffi = args.a2a == "ffi" or (args.a2a == "auto" and _ffi.available() and
+                                  jax.default_backend() in _ffi.register())
+  workspace = moe.make_workspace(config, mesh, num_tokens) if use_ffi else None
+  step = jax.jit(loss_fn(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace)))
   oracle = jax.jit(loss_fn(lambda p, x: moe.moe_dense_reference(p, x, config)))
 
   p_trained, p_rest = split(params)
@@ -183,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     jax.block_until_ready(step(p_trained, x, p_rest, ct))
     times.append(time.perf_counter() - t)
-  y = jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh)[0])(params, x)
+  y = jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace)[0])(params, x)
+  if workspace is not None:
+    workspace.check()
+    workspace.close()
 
   # The oracle runs on one device.
   params1, x1, ct1 = jax.device_put((params, x, ct), jax.sharding.SingleDeviceSharding(devices[0]))
@@ -216,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
   print(f"  wire         {args.wire}: {d.x_bytes_per_token} B x + {d.x_sf_bytes_per_token} B scales + "
         f"{d.topk_ids_bytes_per_token} B ids + {d.topk_weights_bytes_per_token} B weights = "
         f"{d.bytes_per_token} B per token")
+  print(f"  a2a          {'one-sided custom calls (jax_moe_a2a_dispatch/combine)' if use_ffi else 'pure-JAX twin on all_to_all'}")
   print(f"  workspace    {ws.total_bytes / 2**20:.2f} MiB per rank ({ws.total_bytes} B: {num_ranks} sources x "
         f"capacity {routed_per_rank}, {ws.num_buffers} buffers)")
   print(f"  vs oracle    {'':<18} {'calc_diff':>10} {'max|err|/max|ref|':>18}   (limit calc_diff {limit:.0e})")

@@ -352,6 +352,7 @@ class _WireStatic:
   dtype: Any  # of the decoded rows
   x_dtype: Any  # of the tokens, and of their gradient
   impl: str
+  workspace: Optional[a2a.Workspace] = None
 
 
 def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
@@ -361,7 +362,7 @@ def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
     else:
       x_q, x_sf = x.astype(jnp.bfloat16), None
   res, handle = a2a.dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
-                             x_sf=x_sf)
+                             x_sf=x_sf, workspace=st.workspace, impl=st.impl)
   with jax.named_scope("wire_decode"):
     num_ranks, capacity, hidden = res.recv_x.shape
     if x_sf is not None:
@@ -388,7 +389,9 @@ def _wire_bwd(st, res, cts):
   # cotangent of the one rank holding its expert, as the VJP of dispatch does.
   ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
   payload = jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1)
-  back = a2a.combine(payload, handle, out_dtype=jnp.float32)  # one exchange for rows and weights
+  # One exchange for rows and weights, on the reference path: these rows are wider than the workspace's.
+  handle = dataclasses.replace(handle, workspace=None)
+  back = a2a.combine(payload, handle, out_dtype=jnp.float32)
   return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
 
 
@@ -396,7 +399,8 @@ _wire.defvjp(_wire_forward, _wire_bwd)
 
 
 def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
-                  num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto"):
+                  num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto",
+                  workspace: Optional[a2a.Workspace] = None):
   """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
 
   The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
@@ -412,7 +416,8 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
     num_experts: global expert count, a multiple of the axis size.
     axis_name: the expert mesh axis (or tuple of axes).
     dtype: dtype of the decoded rows.
-    impl: passed to the quantization ops.
+    impl: passed to the quantization ops and to `a2a.dispatch`.
+    workspace: the `a2a.Workspace` of the one-sided custom calls (None: the all_to_all twin).
 
   Returns:
     rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
@@ -424,7 +429,7 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
   if wire_format not in WIRE_FORMATS:
     raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
   st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
-                    dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype))
+                    dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype), workspace=workspace)
   with jax.named_scope("wire"):
     return _wire(st, x, topk_ids, topk_weights)
 
@@ -471,7 +476,7 @@ def _expert_weights(params) -> experts.ExpertWeights:
                                params.get("w_down_sf"))
 
 
-def _body(params, x, *, config: MoEConfig):
+def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
   """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
   x_shape, x_dtype = x.shape, x.dtype
   x = x.reshape(-1, config.hidden)
@@ -485,7 +490,7 @@ def _body(params, x, *, config: MoEConfig):
   topk_weights, topk_ids, aux = _route(params, x, config, stat_axes)
   rows, recv_ids, recv_w, _, handle = wire_dispatch(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
-      axis_name=config.expert_axis, dtype=dtype, impl=config.impl)
+      axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), out_dtype=dtype,
                                       compute_dtype=dtype)
@@ -521,8 +526,8 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
                        f"({tp}) under sequence parallelism, got {local}")
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _moe_apply(params, x, config: MoEConfig, mesh: Mesh):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[a2a.Workspace]):
   tok = config.token_axes or None
   x_spec = P(tok, *([None] * (x.ndim - 1)))
   specs = param_specs(config)
@@ -530,15 +535,15 @@ def _moe_apply(params, x, config: MoEConfig, mesh: Mesh):
   # through an all_to_all, is typed as varying over tp; there is no cast from varying to replicated. With
   # check_vma off, shard_map's transpose divides replicated outputs' cotangents by the replica count and sums
   # replicated inputs' cotangents over the replicas, which is exact for a layer whose replicas agree.
-  fn = jax.shard_map(functools.partial(_body, config=config), mesh=mesh,
+  fn = jax.shard_map(functools.partial(_body, config=config, workspace=workspace), mesh=mesh,
                      in_specs=({name: specs[name] for name in params}, x_spec),
                      out_specs=(x_spec, P(), P(None)), check_vma=False)
   y, loss, load = fn(dict(params), x)
   return y, {"load_balance_loss": loss, "expert_load": load}
 
 
-def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig,
-              mesh: Mesh) -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Mesh, *,
+              workspace: Optional[a2a.Workspace] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
 
   Jitted inside (config and mesh are static); call it from inside `jax.jit` or eagerly. All checks run at trace
@@ -551,6 +556,8 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig,
       `config.token_axes` (``P(token_axes, None)``), replicated over the other axes (tp_axis in particular).
     config: the layer.
     mesh: a mesh holding every axis the config names.
+    workspace: an `a2a.Workspace` for this mesh's expert axis (see `make_workspace`): dispatch and combine then
+      run as one-sided custom calls (their gradients on the all_to_all twin). None: the twin throughout.
 
   Returns:
     y: x's shape and dtype and sharding: routed experts (sum of top-k weight * expert) plus shared experts.
@@ -568,7 +575,22 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig,
   sizes = _mesh_axes(op, config, mesh)
   _check_params(op, params, config)
   _check_x(op, x, config, sizes)
-  return _moe_apply(dict(params), x, config, mesh)
+  return _moe_apply(dict(params), x, config, mesh, workspace)
+
+
+def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s: float = 10.0) -> a2a.Workspace:
+  """The `a2a.Workspace` that `moe_apply(..., workspace=...)` needs for `num_tokens` global tokens.
+
+  Sized for one shard's dispatch: num_tokens over the token sharding (and over tp under sequence parallelism),
+  the wire format and top_k of the config, and expert outputs in the compute dtype. Close it when done.
+  """
+  sizes = dict(mesh.shape)
+  shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))
+  capacity = num_tokens // shards
+  if config.sequence_parallel:
+    capacity //= sizes[config.tp_axis]
+  return a2a.Workspace(mesh, expert_axis=config.expert_axis, capacity=max(capacity, 1), hidden=config.hidden,
+                       top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------------------------
