@@ -472,6 +472,12 @@ class Workspace:
   expert group (one process driving them); on CPU they are host memory and the simulated devices of a group
   meet at a process-wide rendezvous. Nothing is allocated, and no peer access enabled, inside a handler.
 
+  Order other collectives by data. The one-sided calls of the devices of a group wait for each other; on CPU,
+  XLA runs the independent ops of one device program concurrently and in any order, so a collective with no data
+  path to or from a dispatch/combine (e.g. a psum of routing statistics) can end up waited for by one device
+  while another waits in the dispatch. Tie such collectives to the dispatch inputs with
+  `jax.lax.optimization_barrier`, as `moe.moe_apply` does.
+
   Use as a context manager or call `close()`; closing twice is harmless, using a closed workspace raises.
   A call that times out waiting for a peer marks the workspace failed (its buffers may hold a half-finished
   exchange); `check()` and every later call on it raise, naming the rank(s) that did not arrive.

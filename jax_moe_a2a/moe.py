@@ -488,6 +488,11 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
       x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(config.tp_axis) * part, part, axis=0)
   stat_axes = config.stat_axes or None
   topk_weights, topk_ids, aux = _route(params, x, config, stat_axes)
+  if workspace is not None:
+    # The routing statistics' collectives must not race the one-sided dispatch: XLA:CPU runs independent ops of
+    # a device program concurrently and in any order, and a device waiting inside dispatch for a peer that waits
+    # inside an all-reduce for it would deadlock. The barrier orders them by data on every backend.
+    aux, x, topk_ids, topk_weights = jax.lax.optimization_barrier((aux, x, topk_ids, topk_weights))
   rows, recv_ids, recv_w, _, handle = wire_dispatch(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
