@@ -469,7 +469,10 @@ class Workspace:
   handle, to `combine`). Each device gets one block laid out by `layout.workspace_layout`: receive regions of
   ``[num_ranks, capacity, ...]`` for every payload, the combine region, flags and epochs, twice (calls
   alternate buffers). On GPUs the blocks are device memory with peer access enabled between the GPUs of an
-  expert group (one process driving them); on CPU they are host memory and the simulated devices of a group
+  expert group when one process drives them; with one process per GPU (`jax.distributed`) each process allocates
+  its own blocks and maps its peers' through CUDA IPC handles exchanged in JAX's distributed key-value store
+  (every process must then create its workspaces in the same order). On CPU they are host memory and the
+  simulated devices of a group
   meet at a process-wide rendezvous. Nothing is allocated, and no peer access enabled, inside a handler.
 
   Order other collectives by data. The one-sided calls of the devices of a group wait for each other; on CPU,
@@ -522,13 +525,48 @@ class Workspace:
     if len(platforms) != 1:
       raise ValueError(f"Workspace: the mesh must hold devices of one platform, got {sorted(platforms)}")
     self.platform = platforms.pop()
-    if any(d.process_index != jax.process_index() for d in groups.flat):
-      raise NotImplementedError("Workspace: every device of the expert axis must belong to this process (one "
-                                "process driving all GPUs)")
-    ordinals = [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id) for d in g] for g in groups]
+    me = jax.process_index()
+    local = lambda d: d.process_index == me
+    # Local device ordinal, or -1 for a device of another process (its block is mapped through CUDA IPC).
+    ordinals = [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id) if local(d) else -1
+                 for d in g] for g in groups]
     self._id: Optional[int] = int(_ffi.extension().workspace_create(
         self.platform, ordinals, self.layout.total_bytes, int(self.timeout_s * 1e9)))
+    if not all(local(d) for d in groups.flat):
+      try:
+        self._open_peers_of_other_processes(groups, ordinals)
+      except BaseException:
+        self.close()
+        raise
     _ffi.register()
+
+  # Every process creates its workspaces in the same order; the sequence number names their exchanged handles.
+  _sequence = 0
+
+  def _open_peers_of_other_processes(self, groups: np.ndarray, ordinals: list[list[int]]) -> None:
+    """One process per GPU: publish this process's blocks' CUDA IPC handles in JAX's distributed key-value store,
+    then map the other processes' blocks of our groups."""
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+    client = distributed.global_state.client
+    if client is None:
+      raise RuntimeError("Workspace: devices of other processes need jax.distributed.initialize() first")
+    if self.platform != "gpu":
+      raise ValueError("Workspace: an expert group spanning processes needs GPUs")
+    Workspace._sequence += 1
+    key = lambda d: f"jax_moe_a2a/workspace{Workspace._sequence}/device{d.id}"
+    handles = _ffi.extension().workspace_ipc_handles(self._id)
+    for g, group in enumerate(groups):
+      for r, d in enumerate(group):
+        if ordinals[g][r] >= 0:
+          client.key_value_set(key(d), handles[ordinals[g][r]].hex())
+    peers = {}
+    for g, group in enumerate(groups):
+      if all(o < 0 for o in ordinals[g]):
+        continue  # a group of other processes only
+      for r, d in enumerate(group):
+        if ordinals[g][r] < 0:
+          peers[(g, r)] = bytes.fromhex(client.blocking_key_value_get(key(d), int(self.timeout_s * 1000)))
+    _ffi.extension().workspace_open_peers(self._id, peers)
 
   # Life cycle
 

@@ -2,7 +2,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -28,6 +30,8 @@ std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, siz
 #ifdef JAX_MOE_A2A_WITH_CUDA
 std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
                                 int64_t* id);
+std::string IpcHandles(int64_t id, std::map<int, std::string>* handles);
+std::string OpenIpcPeers(int64_t id, const std::map<std::pair<int, int>, std::string>& handles);
 #endif
 std::string DestroyWorkspace(int64_t id);
 }  // namespace jax_moe_a2a
@@ -117,6 +121,35 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
       },
       py::arg("platform"), py::arg("devices"), py::arg("bytes"), py::arg("timeout_ns"),
       "Allocates a one-sided workspace of `bytes` per device for devices[group][rank]; returns its id.");
+  m.def(
+      "workspace_ipc_handles",
+      [](int64_t id) {
+        py::dict out;
+#ifdef JAX_MOE_A2A_WITH_CUDA
+        std::map<int, std::string> handles;
+        if (std::string err = jax_moe_a2a::IpcHandles(id, &handles); !err.empty())
+          throw std::runtime_error("workspace_ipc_handles: " + err);
+        for (const auto& [device, h] : handles) out[py::int_(device)] = py::bytes(h);
+#else
+        throw std::runtime_error("workspace_ipc_handles: this build has no CUDA");
+#endif
+        return out;
+      },
+      py::arg("id"), "CUDA IPC handle (bytes) of this process's block, per local device ordinal.");
+  m.def(
+      "workspace_open_peers",
+      [](int64_t id, const std::map<std::pair<int, int>, py::bytes>& handles) {
+#ifdef JAX_MOE_A2A_WITH_CUDA
+        std::map<std::pair<int, int>, std::string> raw;
+        for (const auto& [where, h] : handles) raw[where] = std::string(h);
+        if (std::string err = jax_moe_a2a::OpenIpcPeers(id, raw); !err.empty())
+          throw std::runtime_error("workspace_open_peers: " + err);
+#else
+        throw std::runtime_error("workspace_open_peers: this build has no CUDA");
+#endif
+      },
+      py::arg("id"), py::arg("handles"),
+      "Maps the blocks of other processes' devices, {(group, rank): IPC handle}, into this process.");
   m.def(
       "workspace_destroy", [](int64_t id) { jax_moe_a2a::DestroyWorkspace(id); }, py::arg("id"),
       "Frees a workspace (after the devices are idle); unknown ids are ignored.");

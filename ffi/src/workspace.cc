@@ -168,8 +168,8 @@ std::string CheckGroups(const std::vector<std::vector<int>>& devices) {
   for (const auto& group : devices) {
     if (group.size() != devices[0].size()) return "every group must have the same number of ranks";
     for (int d : group) {
-      if (d < 0) return "device ordinals must be >= 0";
-      if (seen[d]++) return "device " + std::to_string(d) + " appears twice";
+      if (d < -1) return "device ordinals must be >= 0 (or -1 for a device of another process)";
+      if (d >= 0 && seen[d]++) return "device " + std::to_string(d) + " appears twice";
     }
   }
   return "";
@@ -186,6 +186,7 @@ std::shared_ptr<Workspace> NewWorkspace(const std::vector<std::vector<int>>& dev
   ws->base.assign(devices.size(), std::vector<uint8_t*>(ws->num_ranks, nullptr));
   for (size_t g = 0; g < devices.size(); ++g) {
     for (int r = 0; r < ws->num_ranks; ++r) {
+      if (devices[g][r] < 0) continue;  // another process's device
       ws->slot_of_device[devices[g][r]] = {static_cast<int>(g), r};
       ws->calls[devices[g][r]] = {0, 0};
     }
@@ -198,6 +199,9 @@ std::shared_ptr<Workspace> NewWorkspace(const std::vector<std::vector<int>>& dev
 std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
                                int64_t* id) {
   if (std::string err = CheckGroups(devices); !err.empty()) return err;
+  for (const auto& group : devices)
+    for (int d : group)
+      if (d < 0) return "simulated CPU devices of one expert group must all belong to this process";
   auto ws = NewWorkspace(devices, bytes, timeout_ns, /*cuda=*/false);
   for (size_t g = 0; g < devices.size(); ++g) {
     ws->rendezvous.push_back(std::make_unique<Rendezvous>(ws->num_ranks));
@@ -218,9 +222,16 @@ std::string CudaMessage(const char* what, cudaError_t err) {
 }
 
 void FreeCuda(Workspace* ws) {
+  for (const auto& [device, ptr] : ws->ipc_opened) {  // peers' blocks mapped from other processes
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(ptr);
+  }
+  ws->ipc_opened.clear();
   for (size_t g = 0; g < ws->devices.size(); ++g) {
     for (int r = 0; r < ws->num_ranks; ++r) {
-      if (ws->base[g][r] != nullptr) {
+      if (ws->devices[g][r] < 0) {
+        ws->base[g][r] = nullptr;
+      } else if (ws->base[g][r] != nullptr) {
         cudaSetDevice(ws->devices[g][r]);
         cudaFree(ws->base[g][r]);
         ws->base[g][r] = nullptr;
@@ -249,6 +260,7 @@ std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, si
   for (size_t g = 0; g < devices.size() && err.empty(); ++g) {
     for (int r = 0; r < ws->num_ranks && err.empty(); ++r) {
       const int d = devices[g][r];
+      if (d < 0) continue;  // allocated by its own process, mapped later (OpenIpcPeers)
       cudaError_t e;
       if ((e = cudaSetDevice(d)) != cudaSuccess) { err = CudaMessage("cudaSetDevice", e); break; }
       cudaDeviceGetAttribute(&ws->cuda_num_sms[d], cudaDevAttrMultiProcessorCount, d);
@@ -271,7 +283,7 @@ std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, si
       }
       ws->cuda_error_dev[d] = dev;
       for (int peer : devices[g]) {
-        if (peer == d) continue;
+        if (peer == d || peer < 0) continue;
         int can = 0;
         cudaDeviceCanAccessPeer(&can, d, peer);
         if (!can) {
@@ -290,6 +302,7 @@ std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, si
   }
   for (const auto& group : devices) {
     for (int d : group) {
+      if (d < 0) continue;
       cudaSetDevice(d);
       cudaError_t e = cudaDeviceSynchronize();
       if (err.empty() && e != cudaSuccess) err = CudaMessage("cudaDeviceSynchronize", e);
@@ -303,6 +316,59 @@ std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, si
   *id = RegisterWorkspace(ws);
   return "";
 }
+std::string IpcHandles(int64_t id, std::map<int, std::string>* handles) {
+  auto ws = FindWorkspace(id);
+  if (ws == nullptr || !ws->cuda) return "no CUDA workspace " + std::to_string(id);
+  for (const auto& [device, where] : ws->slot_of_device) {
+    cudaIpcMemHandle_t h;
+    cudaSetDevice(device);
+    cudaError_t e = cudaIpcGetMemHandle(&h, ws->base[where.first][where.second]);
+    if (e != cudaSuccess) return CudaMessage("cudaIpcGetMemHandle", e);
+    (*handles)[device] = std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+  return "";
+}
+
+std::string OpenIpcPeers(int64_t id, const std::map<std::pair<int, int>, std::string>& handles) {
+  auto ws = FindWorkspace(id);
+  if (ws == nullptr || !ws->cuda) return "no CUDA workspace " + std::to_string(id);
+  int previous = 0;
+  cudaGetDevice(&previous);
+  std::string err;
+  for (const auto& [where, bytes] : handles) {
+    const auto [g, r] = where;
+    if (g < 0 || g >= static_cast<int>(ws->devices.size()) || r < 0 || r >= ws->num_ranks || ws->devices[g][r] >= 0) {
+      err = "peer (" + std::to_string(g) + ", " + std::to_string(r) + ") is not a device of another process";
+      break;
+    }
+    int local = -1, locals = 0;
+    for (int d : ws->devices[g]) {
+      if (d >= 0) local = d, ++locals;
+    }
+    if (locals != 1) {
+      err = "an expert group that spans processes must have exactly one device in each process, group " +
+            std::to_string(g) + " has " + std::to_string(locals) + " here";
+      break;
+    }
+    if (bytes.size() != sizeof(cudaIpcMemHandle_t)) {
+      err = "malformed IPC handle";
+      break;
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, bytes.data(), sizeof(h));
+    cudaSetDevice(local);
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      err = CudaMessage("cudaIpcOpenMemHandle", e);
+      break;
+    }
+    ws->base[g][r] = static_cast<uint8_t*>(p);
+    ws->ipc_opened.emplace_back(local, p);
+  }
+  cudaSetDevice(previous);
+  return err;
+}
 #endif
 
 std::string DestroyWorkspace(int64_t id) {
@@ -314,6 +380,7 @@ std::string DestroyWorkspace(int64_t id) {
     cudaGetDevice(&previous);
     for (const auto& group : ws->devices) {
       for (int d : group) {
+        if (d < 0) continue;
         cudaSetDevice(d);
         cudaDeviceSynchronize();  // no kernel may still touch the memory
       }

@@ -5,6 +5,10 @@
 //     device (host memory for simulated CPU devices, cudaMalloc for GPUs, with peer access enabled between the
 //     GPUs of a group) and registers it under an id. Handlers find it by that id; they never allocate and never
 //     enable peer access.
+//   - One process per GPU (jax.distributed): a group's devices of other processes are -1 in the table; their
+//     blocks are allocated by their own process and mapped here through CUDA IPC handles, which Python exchanges
+//     through JAX's distributed key-value store (CUDA IPC needs nothing beyond the CUDA runtime and works for
+//     any device pair with peer access; NCCL windows would add a communicator for no gain here).
 //   - Devices are organised in groups (one per expert-axis instance of the mesh: a (data, expert) mesh has one
 //     group per data index); within a group a device has a rank. A device belongs to at most one group.
 //   - Region offsets come from jax_moe_a2a.layout.workspace_layout through the handlers' attributes; this file
@@ -75,6 +79,7 @@ struct Workspace {
   std::vector<int*> cuda_error_host;                         // [device index in flat order]
   std::vector<int*> cuda_error_dev;
   std::vector<int> cuda_num_sms;                             // per device ordinal
+  std::vector<std::pair<int, void*>> ipc_opened;             // (local device, peer block mapped through CUDA IPC)
   // Failure, sticky.
   std::atomic<bool> failed{false};
   std::mutex failure_mu;
