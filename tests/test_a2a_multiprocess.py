@@ -9,6 +9,7 @@ import sys
 import jax
 import pytest
 
+import jax_moe_a2a
 from jax_moe_a2a import _ffi
 
 
@@ -25,6 +26,8 @@ def test_one_process_per_gpu_equals_the_twin():
   # The test process already holds the GPUs' default memory pool: the workers allocate on demand.
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
   env.pop("XLA_FLAGS", None)
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_moe_a2a.__file__)))
+  env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
   procs = [subprocess.Popen([sys.executable, worker, str(i), str(num_processes), str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(num_processes)]
