@@ -20,7 +20,7 @@ PYEOF
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 "$PY" -m jax_moe_a2a report --tokens 4096 || echo "REPORT FAILED"
-JAX_MOE_A2A_TEST_GPU=1 timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_*_ffi.py 2>&1 | tail -n 30
+JAX_MOE_A2A_TEST_GPU=1 timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_*_ffi.py tests/test_a2a_multiprocess.py 2>&1 | tail -n 30
 for name in "$@"; do
   "$PY" -m jax_moe_a2a bench "$name" || echo "BENCH $name FAILED"
 done
