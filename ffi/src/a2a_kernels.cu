@@ -109,12 +109,14 @@ __device__ void WaitForSources(uint64_t* flags, int num_ranks, uint64_t e, uint3
   __syncthreads();
 }
 
-// The last block to arrive on `counter` runs `fn` (after every block's stores are visible system-wide).
-template <typename Fn>
+// The last block to arrive on `counter` runs `fn`. With kRelease, every store the block made (to peers too) is
+// visible system-wide before the arrival: bar.sync orders the block's stores before thread 0's fence, and PTX
+// fences are cumulative, so one fence per block suffices. Without it (blocks that only read) no fence is needed.
+template <bool kRelease, typename Fn>
 __device__ void LastBlock(uint64_t* counter, Fn fn) {
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (kRelease) __threadfence_system();
     if (atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull) == gridDim.x - 1) {
       *reinterpret_cast<volatile uint64_t*>(counter) = 0;
       __threadfence_system();
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) DispatchPutKernel(const __grid_const
     const auto* send_counts = reinterpret_cast<const int32_t*>(mine + p.off_sync + kSyncCountsOffset);
     reinterpret_cast<int32_t*>(p.peers.base[threadIdx.x] + buf + p.off_counts)[p.me] = send_counts[threadIdx.x];
   }
-  LastBlock(&sync[1], [&] {
+  LastBlock<true>(&sync[1], [&] {
     const uint64_t flag = (e << 16) | p.signature;
     for (int q = 0; q < p.num_ranks; ++q)
       StoreReleaseSys(&Flags(p.peers.base[q], p.off_flags, kDispatch, p.num_ranks)[p.me], flag);
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) DispatchRecvKernel(const __grid_cons
       }
     }
   }
-  LastBlock(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
+  LastBlock<false>(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) CombinePutKernel(const __grid_consta
     uint8_t* dst = p.peers.base[s] + buf + p.off_combine + (p.me * p.capacity + j) * row_bytes;
     WarpCopy(dst, p.expert_out + o * row_bytes, row_bytes, lane);
   }
-  LastBlock(&sync[1], [&] {
+  LastBlock<true>(&sync[1], [&] {
     const uint64_t flag = (e << 16) | p.signature;
     for (int q = 0; q < p.num_ranks; ++q)
       StoreReleaseSys(&Flags(p.peers.base[q], p.off_flags, kCombine, p.num_ranks)[p.me], flag);
@@ -360,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) CombineReduceKernel(const __grid_con
     }
     StoreVec8<Out>(p.out + (t * p.hidden + h) * sizeof(Out), acc);
   }
-  LastBlock(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
+  LastBlock<false>(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
 }
 
 int Blocks(int64_t work_items, int64_t per_block, int cap) {
