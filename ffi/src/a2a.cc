@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "a2a_protocol.h"
 #include "common.h"
 #include "workspace.h"
 #include "xla/ffi/api/ffi.h"
@@ -130,6 +131,23 @@ std::string DispatchSignature(const DispatchGeometry& g, int64_t num_experts) {
   return os.str();
 }
 
+// The shared first half of both dispatch handlers: shapes, the rank limit of the kernels, the workspace.
+ffi::Error PrepareDispatch(int32_t device, const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf,
+                           const ffi::Buffer<ffi::S32>& ids, const ffi::Buffer<ffi::F32>& weights,
+                           const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& recv_x_sf,
+                           const ffi::Buffer<ffi::S32>& recv_ids, const ffi::Buffer<ffi::F32>& recv_weights,
+                           const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& send_slot,
+                           int64_t num_experts, int64_t workspace, bool cuda, DispatchGeometry* g, CallSite* site) {
+  if (auto e = CheckDispatch(x, x_sf, ids, weights, recv_x, recv_x_sf, recv_ids, recv_weights, recv_counts,
+                             send_slot, num_experts, g);
+      e.failure())
+    return e;
+  if (cuda && g->num_ranks > kMaxRanks) {
+    return InvalidArg(kDispatchOp, "num_ranks", "<= " + std::to_string(kMaxRanks) + " on GPUs", g->num_ranks);
+  }
+  return ResolveCallSite(kDispatchOp, workspace, device, g->num_ranks, DispatchNeededBytes(*g), cuda, site);
+}
+
 // Slots, in token order: slot[t * R + r] (-1: not sent), counts[r]. Returns the destinations of each token.
 void ComputeSlots(const int32_t* ids, int64_t t_count, int64_t top_k, int64_t num_ranks, int64_t local,
                   int32_t* slot, std::vector<int32_t>* counts) {
@@ -163,12 +181,9 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
                      buffer_stride, off_flags, off_sync};
-  if (auto e = CheckDispatch(x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights, *recv_counts,
-                             *send_slot, num_experts, &g);
-      e.failure())
-    return e;
   CallSite site;
-  if (auto e = ResolveCallSite(kDispatchOp, workspace, device, num_ranks, DispatchNeededBytes(g), false, &site);
+  if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
+                               *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/false, &g, &site);
       e.failure())
     return e;
   Workspace& ws = *site.ws;
@@ -299,6 +314,18 @@ std::string CombineSignature(const CombineGeometry& g) {
   return os.str();
 }
 
+// The shared first half of both combine handlers.
+ffi::Error PrepareCombine(int32_t device, const ffi::AnyBuffer& expert_out,
+                          const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& send_slot, const ffi::AnyBuffer& out, int64_t workspace,
+                          bool cuda, CombineGeometry* g, CallSite* site) {
+  if (auto e = CheckCombine(expert_out, recv_counts, send_slot, out, g); e.failure()) return e;
+  if (cuda && g->num_ranks > kMaxRanks) {
+    return InvalidArg(kCombineOp, "num_ranks", "<= " + std::to_string(kMaxRanks) + " on GPUs", g->num_ranks);
+  }
+  if (cuda && g->hidden % 8 != 0) return InvalidArg(kCombineOp, "hidden", "a multiple of 8 on GPUs", g->hidden);
+  return ResolveCallSite(kCombineOp, workspace, device, g->num_ranks, CombineNeededBytes(*g), cuda, site);
+}
+
 inline float LoadFloat(const uint8_t* p, int64_t bytes) {
   float f;
   if (bytes == 4) {
@@ -333,9 +360,8 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
                           int64_t capacity, int64_t num_ranks, int64_t off_combine, int64_t off_flags,
                           int64_t off_sync, int64_t workspace) {
   CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_sync};
-  if (auto e = CheckCombine(expert_out, recv_counts, send_slot, *out, &g); e.failure()) return e;
   CallSite site;
-  if (auto e = ResolveCallSite(kCombineOp, workspace, device, num_ranks, CombineNeededBytes(g), false, &site);
+  if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, workspace, /*cuda=*/false, &g, &site);
       e.failure())
     return e;
   Workspace& ws = *site.ws;
@@ -422,13 +448,9 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
                      buffer_stride, off_flags, off_sync};
-  if (auto e = CheckDispatch(x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights, *recv_counts,
-                             *send_slot, num_experts, &g);
-      e.failure())
-    return e;
-  if (num_ranks > kMaxRanks) return InvalidArg(kDispatchOp, "num_ranks", "<= " + std::to_string(kMaxRanks), num_ranks);
   CallSite site;
-  if (auto e = ResolveCallSite(kDispatchOp, workspace, device, num_ranks, DispatchNeededBytes(g), true, &site);
+  if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
+                               *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/true, &g, &site);
       e.failure())
     return e;
   if (g.num_tokens == 0) return ffi::Error::Success();
@@ -475,13 +497,10 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
                            int64_t num_ranks, int64_t off_combine, int64_t off_flags, int64_t off_sync,
                            int64_t workspace) {
   CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_sync};
-  if (auto e = CheckCombine(expert_out, recv_counts, send_slot, *out, &g); e.failure()) return e;
-  if (num_ranks > kMaxRanks) return InvalidArg(kCombineOp, "num_ranks", "<= " + std::to_string(kMaxRanks), num_ranks);
   CallSite site;
-  if (auto e = ResolveCallSite(kCombineOp, workspace, device, num_ranks, CombineNeededBytes(g), true, &site);
+  if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, workspace, /*cuda=*/true, &g, &site);
       e.failure())
     return e;
-  if (g.hidden % 8 != 0) return InvalidArg(kCombineOp, "hidden", "a multiple of 8 on GPUs", g.hidden);
   if (g.num_tokens == 0) return ffi::Error::Success();
   Workspace& ws = *site.ws;
   CombineParams p{};

@@ -9,8 +9,6 @@
 
 namespace jax_moe_a2a {
 
-constexpr int kMaxRanks = 64;
-
 struct PeerBases {
   uint8_t* base[kMaxRanks];  // every rank's workspace block, valid on every GPU of the group (peer access)
 };

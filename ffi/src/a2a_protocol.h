@@ -3,6 +3,9 @@
 
 namespace jax_moe_a2a {
 
+// Ranks of one expert group that the GPU kernels' peer table holds.
+constexpr int kMaxRanks = 64;
+
 // Sync region, per op: {epoch, put arrivals, receive arrivals, spare} uint64; after both ops, [R] int32 send
 // counts of the current dispatch. Flags: [op][source rank] uint64 = (epoch << 16) | call signature.
 constexpr int kSyncWords = 4;
