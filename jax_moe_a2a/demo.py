@@ -80,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def _calc_diff(a, b) -> float:
+def calc_diff(a, b) -> float:
+  """``1 - 2 sum(a b) / sum(a^2 + b^2)`` in float64: 0 for equal tensors, DeepGEMM's error measure."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
   checks = [("output", y, y_ref), ("grad x", g_x, g_x_ref)]
   checks += [(f"grad {name}", g_params[name], g_params_ref[name]) for name in trained]
-  results = [(name, _calc_diff(a, b), _max_rel(a, b)) for name, a, b in checks]
+  results = [(name, calc_diff(a, b), _max_rel(a, b)) for name, a, b in checks]
   load_ok = bool(np.array_equal(np.asarray(aux["expert_load"]), np.asarray(aux_ref["expert_load"])))
   loss_diff = abs(float(aux["load_balance_loss"]) - float(aux_ref["load_balance_loss"]))
   ok = passed([c for _, c, _ in results], limit=limit, load_equal=load_ok, loss_diff=loss_diff,

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jax_moe_a2a import quant
+from jax_moe_a2a import grouped_gemm, quant
 
 
 @jax.tree_util.register_dataclass
@@ -236,9 +236,136 @@ def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWe
   return jax.lax.platform_dependent(*args[:4], cpu=tiled, default=ragged)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The FP8 expert MLP on the grouped GEMM
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8MlpStatic:
+  impl: str
+  x_dtype: Any  # dtype of a float x (its cotangent's dtype), or None for an FP8 x
+  w_dtype: Any  # dtype of float weights, or None for FP8 weights
+
+
+def _masked_mlp_reference(x, group_sizes, w_gate_up, w_down):
+  """The bfloat16 SwiGLU MLP on masked groups x [G, R, H] (float32 accumulation, rows past a count give 0)."""
+  ffn = w_down.shape[-1]
+  h = jnp.einsum("grh,gfh->grf", x, w_gate_up, preferred_element_type=jnp.float32)
+  act = (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]).astype(jnp.bfloat16)
+  y = jnp.einsum("grf,ghf->grh", act, w_down, preferred_element_type=jnp.float32)
+  _, size = grouped_gemm.owned_rows(group_sizes, x.shape[1], masked=True)
+  return jnp.where((jnp.arange(x.shape[1])[None, :] < size[:, None])[..., None], y, 0.0)
+
+
+def _fp8_operands(st: _Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  """FP8 activations (quantized here when float) and weights (quantized here when float)."""
+  hidden = x.shape[-1]
+  if st.x_dtype is not None:
+    a, a_sf = quant.quantize_fp8_blockwise(x.reshape(-1, hidden), impl=st.impl)
+    x, x_sf = a.reshape(x.shape), a_sf.reshape(*x.shape[:-1], hidden // quant.FP8_BLOCK)
+  if st.w_dtype is not None:
+    w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up)
+    w_down, w_down_sf = quant.quantize_fp8_weight(w_down)
+  return x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf
+
+
+def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  a, a_sf, gu, gu_sf, dn, dn_sf = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+  ffn = dn.shape[-1]
+  h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
+  act = jax.nn.silu(h[..., :ffn].astype(jnp.float32)) * h[..., ffn:].astype(jnp.float32)
+  q, q_sf = quant.quantize_fp8_blockwise(act.reshape(-1, ffn), impl=st.impl)
+  q, q_sf = q.reshape(act.shape), q_sf.reshape(*act.shape[:-1], ffn // quant.FP8_BLOCK)
+  y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
+  return y, (a, a_sf, group_sizes, gu, gu_sf, dn, dn_sf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  return _mlp_fp8_fwd(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+
+
+def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
+  a, a_sf, group_sizes, gu, gu_sf, dn, dn_sf = res
+  bf16 = jnp.bfloat16
+  hidden = a.shape[-1]
+  # Straight-through: the bfloat16 MLP's gradient at the quantized operands.
+  x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
+                                     dtype=bf16).reshape(a.shape)
+  w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
+  w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
+  if a.ndim == 3:
+    mlp = lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd)
+  else:
+    _, size = grouped_gemm.owned_rows(group_sizes, a.shape[0], masked=False)
+    mlp = lambda x, wg, wd: swiglu_mlp_reference(x, size, ExpertWeights(wg, wd), compute_dtype=bf16)
+  _, vjp = jax.vjp(mlp, x, w_gate_up, w_down)
+  dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
+  dx = None if st.x_dtype is None else dx.astype(st.x_dtype)
+  if st.w_dtype is None:
+    dw_gu = dw_dn = None
+  else:
+    dw_gu, dw_dn = dw_gu.astype(st.w_dtype), dw_dn.astype(st.w_dtype)
+  return dx, None, None, dw_gu, None, dw_dn, None
+
+
+_mlp_fp8.defvjp(_mlp_fp8_fwd, _mlp_fp8_bwd)
+
+
+def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
+                   x_sf: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
+  """The grouped SwiGLU MLP in FP8: gate/up grouped GEMM -> SwiGLU -> 1x128 requantization -> down grouped GEMM.
+
+  Both matmuls are `grouped_gemm.grouped_gemm_fp8` (E4M3 operands, float32 accumulation, bfloat16 output);
+  the SwiGLU runs in float32 on the bfloat16 gate/up output and is requantized with
+  `quant.quantize_fp8_blockwise`. Float activations and float weights are quantized here (1x128 and 128x128
+  blocks); FP8 ones are used as they are.
+
+  Gradients (a custom VJP) are bfloat16 and straight-through: the backward pass is that of the bfloat16 MLP
+  (`swiglu_mlp_reference`, or its masked twin) evaluated at the dequantized FP8 operands, so quantization error
+  enters the gradient only through where it is evaluated. Float x and float weights get cotangents in their
+  own dtypes; FP8 inputs, scales and group_sizes get none.
+
+  Args:
+    x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
+      float8_e4m3fn with `x_sf`. hidden % 128 == 0.
+    group_sizes: int32 [G] rows per expert (see `grouped_gemm` for the clamping of each layout).
+    weights: the G experts' `ExpertWeights` (float, or FP8 with 128x128 block scales); 2 * ffn, ffn and hidden
+      must be multiples of 128.
+    x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
+    impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
+
+  Returns:
+    bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
+  """
+  op = "swiglu_mlp_fp8"
+  hidden = x.shape[-1]
+  num_groups, ffn = _check_weights(op, weights, hidden)
+  for name, v in (("hidden", hidden), ("ffn", ffn)):
+    if v % quant.FP8_BLOCK or v == 0:
+      raise ValueError(f"{op}: {name} must be a positive multiple of {quant.FP8_BLOCK}, got {v}")
+  if x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[0] != num_groups):
+    raise ValueError(f"{op}: x must be [M, hidden] or [G={num_groups}, R, hidden], got shape {tuple(x.shape)}")
+  fp8_x = jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+  if fp8_x:
+    quant.check_fp8_blockwise(op, x.reshape(-1, hidden), None if x_sf is None else x_sf.reshape(-1, x_sf.shape[-1]))
+    if tuple(x_sf.shape) != (*x.shape[:-1], hidden // quant.FP8_BLOCK):
+      raise ValueError(f"{op}: x_sf must be {(*x.shape[:-1], hidden // quant.FP8_BLOCK)}, got {tuple(x_sf.shape)}")
+  elif x_sf is not None:
+    raise ValueError(f"{op}: x_sf is only for float8_e4m3fn x, got x of dtype {jnp.dtype(x.dtype).name}")
+  if weights.is_fp8 and jnp.dtype(weights.w_gate_up.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+    raise TypeError(f"{op}: FP8 weights must be float8_e4m3fn, got {jnp.dtype(weights.w_gate_up.dtype).name}")
+  st = _Fp8MlpStatic(impl=impl, x_dtype=None if fp8_x else jnp.dtype(x.dtype),
+                     w_dtype=None if weights.is_fp8 else jnp.dtype(weights.w_gate_up.dtype))
+  return _mlp_fp8(st, x, x_sf, group_sizes.astype(jnp.int32), weights.w_gate_up, weights.w_gate_up_sf,
+                  weights.w_down, weights.w_down_sf)
+
+
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
                  weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None, out_dtype=jnp.bfloat16,
-                 compute_dtype=jnp.bfloat16, method: str = "auto") -> jax.Array:
+                 compute_dtype=jnp.bfloat16, method: str = "auto",
+                 gemm_impl: Optional[str] = None) -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
@@ -253,7 +380,10 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     recv_x_sf: for FP8 rows, their [num_ranks, capacity, hidden / 128] float32 1x128 scales.
     out_dtype: dtype of the returned payload.
     compute_dtype: matmul operand dtype.
-    method: grouped matmul implementation, see `swiglu_mlp_reference`.
+    method: grouped matmul implementation of the `compute_dtype` path, see `swiglu_mlp_reference`.
+    gemm_impl: None for the `compute_dtype` path; "auto", "ffi" or "reference" to run the experts in FP8 with
+      `swiglu_mlp_fp8` (the sorted rows are quantized 1x128, which is lossless for rows that arrived in
+      fp8_blockwise and were decoded exactly; float weights are quantized 128x128).
 
   Returns:
     [num_ranks, capacity, hidden] `out_dtype`: per row, sum_k weight_k * expert_k(x).
@@ -288,7 +418,10 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
     x_sorted = rows[order // top_k]
   with jax.named_scope("experts"):
-    y_sorted = swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
+    if gemm_impl is None:
+      y_sorted = swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
+    else:
+      y_sorted = swiglu_mlp_fp8(x_sorted, group_sizes, weights, impl=gemm_impl).astype(jnp.float32)
   with jax.named_scope("unpermute"):
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_ranks * capacity, top_k, hidden)
     w = jnp.where(valid, recv_topk_weights.reshape(-1), 0.0).reshape(-1, top_k)

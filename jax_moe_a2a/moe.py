@@ -95,6 +95,9 @@ class MoEConfig:
       float32; matmuls accumulate in float32; router logits are always float32).
     param_dtype: storage dtype of the non-FP8 parameters made by `init_params`.
     impl: ``"auto" | "ffi" | "reference"``, passed to every op that takes an ``impl`` argument.
+    gemm_impl: None: the routed experts compute in `dtype`; ``"auto" | "ffi" | "reference"``: they run in FP8
+      with `experts.swiglu_mlp_fp8` (the grouped GEMM custom call, or its pure-JAX twin); hidden and ffn must
+      then be multiples of 128.
   """
 
   num_experts: int
@@ -117,6 +120,7 @@ class MoEConfig:
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   impl: str = "auto"
+  gemm_impl: Optional[str] = None
 
   def __post_init__(self):
     op = "MoEConfig"
@@ -161,6 +165,13 @@ class MoEConfig:
       object.__setattr__(self, name, dt)
     if self.impl not in _ffi.IMPLS:
       raise ValueError(f"{op}: impl must be one of {', '.join(_ffi.IMPLS)}, got {self.impl!r}")
+    if self.gemm_impl is not None:
+      if self.gemm_impl not in _ffi.IMPLS:
+        raise ValueError(f"{op}: gemm_impl must be None or one of {', '.join(_ffi.IMPLS)}, got {self.gemm_impl!r}")
+      for name in ("hidden", "ffn"):
+        if getattr(self, name) % quant.FP8_BLOCK:
+          raise ValueError(f"{op}: gemm_impl={self.gemm_impl!r} (FP8 experts) needs {name} % {quant.FP8_BLOCK} == 0, "
+                           f"got {name}={getattr(self, name)}")
     try:
       self.router_config  # pylint: disable=pointless-statement
     except (ValueError, TypeError) as e:
@@ -498,7 +509,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), out_dtype=dtype,
-                                      compute_dtype=dtype)
+                                      compute_dtype=dtype, gemm_impl=config.gemm_impl)
   y = a2a.combine(expert_out, handle, out_dtype=jnp.float32)
   if config.num_shared_experts:
     with jax.named_scope("shared_experts"):
@@ -548,7 +559,8 @@ def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[a2a
 
 
 def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Mesh, *,
-              workspace: Optional[a2a.Workspace] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              workspace: Optional[a2a.Workspace] = None,
+              gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
 
   Jitted inside (config and mesh are static); call it from inside `jax.jit` or eagerly. All checks run at trace
@@ -563,6 +575,8 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
     mesh: a mesh holding every axis the config names.
     workspace: an `a2a.Workspace` for this mesh's expert axis (see `make_workspace`): dispatch and combine then
       run as one-sided custom calls (their gradients on the all_to_all twin). None: the twin throughout.
+    gemm_impl: when given, replaces `config.gemm_impl` (e.g. "ffi": the routed experts on the FP8 grouped GEMM
+      custom call).
 
   Returns:
     y: x's shape and dtype and sharding: routed experts (sum of top-k weight * expert) plus shared experts.
@@ -577,6 +591,8 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   op = "moe_apply"
   if not isinstance(config, MoEConfig):
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  if gemm_impl is not None:
+    config = dataclasses.replace(config, gemm_impl=gemm_impl)
   sizes = _mesh_axes(op, config, mesh)
   _check_params(op, params, config)
   _check_x(op, x, config, sizes)

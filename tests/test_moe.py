@@ -13,6 +13,9 @@ Tolerances, and why:
   half the squared relative error, is ~6.5e-4 for the activations themselves. Outputs and gradients must stay
   below 2e-3 (observed 5e-4 to 8e-4). Gradients are straight-through (tested bit for bit separately), so only
   the forward activations carry quantization error.
+- FP8 experts (``gemm_impl``): the experts' input rows and their SwiGLU activations are quantized 1x128, and
+  float weights 128x128 (FP8 weights are the oracle's own): two or three quantizations of ~6.5e-4 each, so
+  outputs and gradients must stay below 4e-3 (observed ~2e-3 with float weights).
 - BF16 compute: operands and the combine payload round to 8 bits of mantissa; ``calc_diff < 1e-4`` and
   ``max |err| <= 3e-2 * max |ref|`` (observed 7e-6 and 8e-3).
 """
@@ -33,6 +36,7 @@ from jax_moe_a2a import a2a, experts, moe, routing
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
 F32_TOL = 2e-5  # max |err| / max |ref| with float32 compute
 FP8_CALC_DIFF = 2e-3
+FP8_EXPERTS_CALC_DIFF = 4e-3
 BF16_CALC_DIFF, BF16_TOL = 1e-4, 3e-2
 
 
@@ -125,7 +129,8 @@ def _run(config, mesh, **kw):
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   # The oracle depends on neither mesh nor wire nor compute dtype: share its compilation between tests.
   oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
-                                      expert_axis="expert", tp_axis=None, sequence_parallel=False)
+                                      expert_axis="expert", tp_axis=None, sequence_parallel=False,
+                                      gemm_impl=None)
   want = _oracle_fn(oracle_config)(*jax.device_put((params, x, ct), one))
   return jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want)
 
@@ -253,6 +258,28 @@ def test_fp8_wire_and_fp8_weights():
   got, want = _run(config, _mesh((4, 2), ("data", "expert")))
   _assert_calc_diff(got, want, FP8_CALC_DIFF)
   assert max_rel(got[0], want[0]) > 1e-4
+
+
+@pytest.mark.parametrize("gemm_impl", ["ffi", "reference"])
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_fp8_experts_on_the_grouped_gemm(gemm_impl, fp8_weights):
+  """Routed experts in FP8 (grouped GEMM custom call or its twin): activations quantized 1x128 twice."""
+  if gemm_impl == "ffi":
+    pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+  config = _config(fp8_weights=fp8_weights, gemm_impl=gemm_impl)
+  got, want = _run(config, _mesh((2, 4), ("data", "expert")))
+  _assert_calc_diff(got, want, FP8_EXPERTS_CALC_DIFF)
+  assert max_rel(got[0], want[0]) > 1e-4  # the experts really ran in FP8
+
+
+def test_moe_apply_gemm_impl_argument_overrides_the_config():
+  config, mesh = _config(), _mesh((2, 4), ("data", "expert"))
+  params, x, _ = _inputs(config, mesh)
+  bf16_path = moe.moe_apply(params, x, config, mesh)[0]
+  fp8_path = moe.moe_apply(params, x, config, mesh, gemm_impl="reference")[0]
+  same = moe.moe_apply(params, x, dataclasses.replace(config, gemm_impl="reference"), mesh)[0]
+  np.testing.assert_array_equal(np.asarray(fp8_path), np.asarray(same))
+  assert max_rel(fp8_path, bf16_path) > 1e-4
 
 
 def test_bf16_compute():
@@ -394,6 +421,8 @@ def test_init_params_shapes_and_shardings(fp8_weights):
     (dict(impl="cuda"), "impl must be one of auto, ffi, reference"),
     (dict(router_kind="deepseek_v3", n_group=3), "invalid router settings"),
     (dict(num_shared_experts=-1), "num_shared_experts must be an int >= 0"),
+    (dict(gemm_impl="cutlass"), "gemm_impl must be None or one of auto, ffi, reference, got 'cutlass'"),
+    (dict(gemm_impl="ffi", ffn=96), "gemm_impl='ffi' (FP8 experts) needs ffn % 128 == 0, got ffn=96"),
 ])
 def test_config_errors(kw, match):
   with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):

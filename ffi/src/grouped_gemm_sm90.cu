@@ -1,0 +1,273 @@
+// grouped_gemm_sm90.cu -- FP8 block-scaled grouped GEMM on Hopper (sm_90a): CUTLASS's pointer-array grouped GEMM
+// with blockwise scaling (TMA loads, warp-specialized cooperative wgmma, FP32 promotion of every 128-deep
+// K block), fed from device memory by a small setup kernel so that group sizes never reach the host.
+//
+// NOTES:
+// - Scale layouts are K-major for both operands: activation scales [rows, K/128] (what quantization and dispatch
+//   produce, so contiguous and masked groups are plain row slices of them), weight scales [N/128, K/128].
+//   CUTLASS derives a group's scale layout from its problem shape, so a group's scales must be one compact
+//   row-major block -- which row slices of a K-major array are, and slices of an MN-major [K/128, rows] array
+//   are not.
+// - The setup kernel turns group_sizes into per-group problem shapes, pointers, strides and scale layouts in the
+//   caller's scratch buffer; the GEMM reads them there. Groups with no rows produce no tiles.
+// - Output rows that no group owns are zeroed by a separate kernel; TMA stores clip each group's tiles to its
+//   rows, so the GEMM never writes outside a group.
+// - One instantiation (tile 128x128x128, cluster 1x2x1) serves both layouts; they differ only in the setup.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/util/packed_stride.hpp"
+#include "grouped_gemm_kernels.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernel type
+// ---------------------------------------------------------------------------------------------------------------
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+
+using ElementA = cutlass::float_e4m3_t;
+using ElementB = cutlass::float_e4m3_t;
+using ElementD = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;     // [M, K], K contiguous
+using LayoutB = cutlass::layout::ColumnMajor;  // [N, K], K contiguous
+using LayoutD = cutlass::layout::RowMajor;     // [M, N]
+constexpr int kAlignmentA = 16;                // elements per 16-byte access
+constexpr int kAlignmentB = 16;
+constexpr int kAlignmentD = 8;
+
+using TileShape = Shape<_128, _128, _128>;
+using ClusterShape = Shape<_1, _2, _1>;
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    void, LayoutD*, kAlignmentD,  // no C operand
+    ElementD, LayoutD*, kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentA,
+    ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentB, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+using StrideA = typename GemmKernel::InternalStrideA;
+using StrideB = typename GemmKernel::InternalStrideB;
+using StrideD = typename GemmKernel::InternalStrideD;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-group argument arrays, carved from the caller's scratch buffer
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+struct GroupArrays {
+  GroupShape* shapes;
+  const ElementA** a;
+  const ElementB** b;
+  ElementD** d;
+  const float** sfa;
+  const float** sfb;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+};
+
+// Carves the arrays from `base` (nullptr: only counts) and returns the bytes they take.
+size_t CarveGroupArrays(char* base, int64_t num_groups, GroupArrays* out) {
+  size_t offset = 0;
+  auto take = [&](auto** ptr, size_t elem_bytes) {
+    using T = std::remove_reference_t<decltype(**ptr)>;
+    *ptr = base ? reinterpret_cast<T*>(base + offset) : nullptr;
+    offset = AlignUp(offset + elem_bytes * num_groups);
+  };
+  take(&out->shapes, sizeof(GroupShape));
+  take(&out->a, sizeof(void*));
+  take(&out->b, sizeof(void*));
+  take(&out->d, sizeof(void*));
+  take(&out->sfa, sizeof(void*));
+  take(&out->sfb, sizeof(void*));
+  take(&out->stride_a, sizeof(StrideA));
+  take(&out->stride_b, sizeof(StrideB));
+  take(&out->stride_d, sizeof(StrideD));
+  take(&out->layout_sfa, sizeof(LayoutSFA));
+  take(&out->layout_sfb, sizeof(LayoutSFB));
+  return offset;
+}
+
+typename Gemm::Arguments MakeArguments(const GroupArrays& g, int num_groups, int device, int sm_count) {
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = device;
+  hw_info.sm_count = sm_count;
+  typename Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
+      {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
+      {{}, nullptr, nullptr, g.d, g.stride_d},
+      hw_info};
+  auto& fusion = arguments.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {_0{}, _0{}, 0};
+  fusion.dBeta = {_0{}, _0{}, 0};
+  return arguments;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Device kernels: setup and zero fill
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int kSetupThreads = 256;
+
+// Fills the per-group arrays. One block; groups in chunks of kSetupThreads with a running row offset.
+__global__ void __launch_bounds__(kSetupThreads) SetupGroupsKernel(GroupedGemmFp8Args args, GroupArrays g) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t chunk_base;
+  if (threadIdx.x == 0) chunk_base = 0;
+  __syncthreads();
+  const int64_t k_blocks = args.k / 128, n_blocks = args.n / 128;
+  for (int64_t first = 0; first < args.num_groups; first += kSetupThreads) {
+    const int64_t grp = first + threadIdx.x;
+    const int64_t requested = grp < args.num_groups ? max(args.group_sizes[grp], 0) : 0;
+    int64_t before = 0, chunk_total = 0;
+    Scan(scan_storage).ExclusiveSum(requested, before, chunk_total);
+    if (grp < args.num_groups) {
+      int64_t start, size;
+      if (args.masked) {
+        start = grp * args.rows;
+        size = min(requested, args.rows);
+      } else {
+        start = min(chunk_base + before, args.rows);
+        size = min(requested, args.rows - start);
+      }
+      const int m = static_cast<int>(size), n = static_cast<int>(args.n), k = static_cast<int>(args.k);
+      g.shapes[grp] = GroupShape(m, n, k);
+      g.a[grp] = reinterpret_cast<const ElementA*>(args.a) + start * args.k;
+      g.sfa[grp] = args.a_sf + start * k_blocks;
+      g.b[grp] = reinterpret_cast<const ElementB*>(args.b) + grp * args.n * args.k;
+      g.sfb[grp] = args.b_sf + grp * n_blocks * k_blocks;
+      g.d[grp] = reinterpret_cast<ElementD*>(args.d) + start * args.n;
+      g.stride_a[grp] = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
+      g.stride_b[grp] = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
+      g.stride_d[grp] = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
+      g.layout_sfa[grp] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
+      g.layout_sfb[grp] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+    }
+    __syncthreads();  // everyone has read chunk_base
+    if (threadIdx.x == 0) chunk_base += chunk_total;
+    __syncthreads();
+  }
+}
+
+constexpr int kZeroThreads = 256;
+constexpr int kZeroRowsPerBlock = 32;
+
+// Zeroes the output rows no group owns. Grid: (ceil(rows / kZeroRowsPerBlock), masked ? num_groups : 1).
+__global__ void __launch_bounds__(kZeroThreads) ZeroUnownedRowsKernel(GroupedGemmFp8Args args) {
+  int64_t owned;  // rows [0, owned) of this block's matrix belong to groups
+  if (args.masked) {
+    owned = min(static_cast<int64_t>(max(args.group_sizes[blockIdx.y], 0)), args.rows);
+  } else {
+    using Reduce = cub::BlockReduce<int64_t, kZeroThreads>;
+    __shared__ typename Reduce::TempStorage reduce_storage;
+    __shared__ int64_t total;
+    int64_t sum = 0;
+    for (int64_t grp = threadIdx.x; grp < args.num_groups; grp += kZeroThreads) sum += max(args.group_sizes[grp], 0);
+    sum = Reduce(reduce_storage).Sum(sum);
+    if (threadIdx.x == 0) total = sum;
+    __syncthreads();
+    owned = min(total, args.rows);
+  }
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kZeroRowsPerBlock;
+  const int64_t begin = max(first, owned), end = min(first + kZeroRowsPerBlock, args.rows);
+  if (begin >= end) return;
+  const int64_t vecs_per_row = args.n / 8;  // 8 bfloat16 per 16-byte store
+  uint4* d = reinterpret_cast<uint4*>(args.d) + (static_cast<int64_t>(blockIdx.y) * args.rows) * vecs_per_row;
+  for (int64_t i = begin * vecs_per_row + threadIdx.x; i < end * vecs_per_row; i += kZeroThreads) {
+    d[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+std::string CutlassError(const char* what, cutlass::Status status) {
+  return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
+}
+
+}  // namespace
+
+size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count) {
+  GroupArrays arrays{};
+  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
+  const auto arguments = MakeArguments(arrays, static_cast<int>(num_groups), 0, sm_count);
+  return array_bytes + AlignUp(Gemm::get_workspace_size(arguments));
+}
+
+std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args) {
+  if (args.rows == 0 || args.num_groups == 0) return "";
+  const size_t needed = GroupedGemmFp8ScratchBytes(args.num_groups, sm_count);
+  if (args.scratch_bytes < needed) {
+    return "scratch holds " + std::to_string(args.scratch_bytes) + " bytes, the call needs " + std::to_string(needed);
+  }
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
+
+  GroupArrays arrays{};
+  char* base = static_cast<char*>(args.scratch);
+  const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
+  SetupGroupsKernel<<<1, kSetupThreads, 0, stream>>>(args, arrays);
+  const dim3 zero_grid(static_cast<unsigned>((args.rows + kZeroRowsPerBlock - 1) / kZeroRowsPerBlock),
+                       args.masked ? static_cast<unsigned>(args.num_groups) : 1u);
+  ZeroUnownedRowsKernel<<<zero_grid, kZeroThreads, 0, stream>>>(args);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+
+  const auto arguments = MakeArguments(arrays, static_cast<int>(args.num_groups), device, sm_count);
+  Gemm gemm;
+  if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
+    return CutlassError("can_implement", status);
+  }
+  if (auto status = gemm.initialize(arguments, base + array_bytes, stream); status != cutlass::Status::kSuccess) {
+    return CutlassError("initialize", status);
+  }
+  if (auto status = gemm.run(stream); status != cutlass::Status::kSuccess) return CutlassError("run", status);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  return "";
+}
+
+}  // namespace jax_moe_a2a
