@@ -24,6 +24,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -167,6 +168,22 @@ def main(argv=None) -> int:
     return 0
 
   results, checks = [], []
+  # A timeout (SIGTERM) still writes what was measured.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+  try:
+    _run(args, results, checks)
+  finally:
+    path = write_result("gemm", {"unit": "TFLOP/s = 2 * real rows * N * K / median time per call", "rows": results,
+                                 "calc_diff_vs_fp32_dequantized": checks}, args.out)
+    print("wrote", path)
+  try:
+    print("wrote", _plot(path))
+  except ImportError:
+    print("no matplotlib here: plot later with --plot", path)
+  return 0
+
+
+def _run(args, results, checks):
   print(f"{'N':>5} {'K':>5} {'G':>3} {'rows':>5} {'method':>17} {'us':>9} {'TFLOP/s':>8} {'first s':>8}")
   for shape in args.shapes:
     n, k = (int(v) for v in shape.split("x"))
@@ -197,14 +214,6 @@ def main(argv=None) -> int:
           print(f"{n:>5} {k:>5} {g:>3} {rows:>5} {method:>17} {t['median_s'] * 1e6:>9.1f} {tflops:>8.1f} "
                 f"{t['first_call_s']:>8.1f}", flush=True)
         del sets
-  path = write_result("gemm", {"unit": "TFLOP/s = 2 * real rows * N * K / median time per call", "rows": results,
-                               "calc_diff_vs_fp32_dequantized": checks}, args.out)
-  print("wrote", path)
-  try:
-    print("wrote", _plot(path))
-  except ImportError:
-    print("no matplotlib here: plot later with --plot", path)
-  return 0
 
 
 if __name__ == "__main__":
