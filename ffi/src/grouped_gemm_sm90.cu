@@ -13,9 +13,13 @@
 // - Output rows that no group owns are zeroed by a separate kernel; TMA stores clip each group's tiles to its
 //   rows, so the GEMM never writes outside a group.
 // - One instantiation (tile 128x128x128, cluster 1x2x1) serves both layouts; they differ only in the setup.
+// - The kernel's host-side parameters are built once per (device, scratch address, group count) and cached.
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -226,6 +230,30 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroUnownedRowsKernel(GroupedGem
   }
 }
 
+// Kernel parameters (TMA descriptors built on the host, pointers into the scratch buffer) depend only on the
+// device, the scratch address, the group count and the SM count: the problem shapes and operand addresses are
+// read from the scratch arrays on the device. XLA gives a call site the same scratch buffer every time it runs,
+// so caching them keeps the host work of a call to two kernel launches and the GEMM launch.
+using ParamsKey = std::tuple<int, const void*, int64_t, int>;
+constexpr size_t kMaxCachedParams = 1024;
+std::mutex params_mu;
+std::map<ParamsKey, typename GemmKernel::Params>* params_cache = new std::map<ParamsKey, typename GemmKernel::Params>;
+
+bool LookUpParams(int device, const void* scratch, int64_t groups, int sm_count, typename GemmKernel::Params* out) {
+  std::lock_guard<std::mutex> lock(params_mu);
+  auto it = params_cache->find(ParamsKey(device, scratch, groups, sm_count));
+  if (it == params_cache->end()) return false;
+  *out = it->second;
+  return true;
+}
+
+void StoreParams(int device, const void* scratch, int64_t groups, int sm_count,
+                 const typename GemmKernel::Params& params) {
+  std::lock_guard<std::mutex> lock(params_mu);
+  if (params_cache->size() >= kMaxCachedParams) params_cache->clear();
+  (*params_cache)[ParamsKey(device, scratch, groups, sm_count)] = params;
+}
+
 std::string CutlassError(const char* what, cutlass::Status status) {
   return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
 }
@@ -258,14 +286,25 @@ std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const Groupe
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
   const auto arguments = MakeArguments(arrays, static_cast<int>(args.num_groups), device, sm_count);
-  Gemm gemm;
-  if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
-    return CutlassError("can_implement", status);
+  void* workspace = base + array_bytes;
+  typename GemmKernel::Params params;
+  if (!LookUpParams(device, args.scratch, args.num_groups, sm_count, &params)) {
+    Gemm gemm;
+    if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
+      return CutlassError("can_implement", status);
+    }
+    if (auto status = gemm.initialize(arguments, workspace, stream); status != cutlass::Status::kSuccess) {
+      return CutlassError("initialize", status);
+    }
+    params = gemm.params();
+    StoreParams(device, args.scratch, args.num_groups, sm_count, params);
+  } else if (auto status = GemmKernel::initialize_workspace(arguments, workspace, stream);
+             status != cutlass::Status::kSuccess) {
+    return CutlassError("initialize_workspace", status);
   }
-  if (auto status = gemm.initialize(arguments, base + array_bytes, stream); status != cutlass::Status::kSuccess) {
-    return CutlassError("initialize", status);
+  if (auto status = Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
+    return CutlassError("run", status);
   }
-  if (auto status = gemm.run(stream); status != cutlass::Status::kSuccess) return CutlassError("run", status);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";
 }
