@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from jax_moe_a2a import _ffi, quant
 
 BLOCK = quant.FP8_BLOCK
-LAYOUTS = ("contiguous", "masked")
 
 
 def _check(op: str, a: Any, a_sf: Any, b: Any, b_sf: Any, group_sizes: Any) -> tuple[bool, int, int, int, int]:
@@ -126,7 +125,9 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
 
   Args:
     a: float8_e4m3fn activations, [M, K] (contiguous) or [G, R, K] (masked), K % 128 == 0.
-    a_sf: float32 1x128 scales of `a`: [M, K/128] or [G, R, K/128] (DESIGN.md §1.2).
+    a_sf: float32 1x128 scales of `a`: [M, K/128] or [G, R, K/128] (DESIGN.md §1.2), as
+      `quant.quantize_fp8_blockwise` returns them by default. The kernel reads one group's scales as a compact
+      block, which row slices of this layout are; the transposed [K/128, M] layout is not accepted.
     b: float8_e4m3fn weights [G, N, K], N and K multiples of 128.
     b_sf: float32 128x128 block scales of `b`, [G, N/128, K/128].
     group_sizes: int32 [G] rows per group (run-time values; clamped as the module docstring says).
