@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax_moe_a2a import _ffi, quant
 
 BLOCK = quant.FP8_BLOCK
+MAX_GROUPS = 65535
 
 
 def _check(op: str, a: Any, a_sf: Any, b: Any, b_sf: Any, group_sizes: Any) -> tuple[bool, int, int, int, int]:
@@ -46,9 +47,10 @@ def _check(op: str, a: Any, a_sf: Any, b: Any, b_sf: Any, group_sizes: Any) -> t
       raise ValueError(f"{op}: {name} must be given, got None")
     if jnp.dtype(v.dtype) != jnp.dtype(dtype):
       raise TypeError(f"{op}: {name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(v.dtype).name}")
-  if b.ndim != 3 or b.shape[0] < 1 or b.shape[1] % BLOCK or b.shape[2] % BLOCK or not b.shape[1] or not b.shape[2]:
-    raise ValueError(f"{op}: b must be [G, N, K] with G >= 1 and N, K positive multiples of {BLOCK}, "
-                     f"got shape {tuple(b.shape)}")
+  if (b.ndim != 3 or not 1 <= b.shape[0] <= MAX_GROUPS or b.shape[1] % BLOCK or b.shape[2] % BLOCK
+      or not b.shape[1] or not b.shape[2]):
+    raise ValueError(f"{op}: b must be [G, N, K] with 1 <= G <= {MAX_GROUPS} and N, K positive multiples of "
+                     f"{BLOCK}, got shape {tuple(b.shape)}")
   g, n, k = b.shape
   if a.ndim == 2:
     masked, rows = False, a.shape[0]

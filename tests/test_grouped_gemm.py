@@ -126,6 +126,7 @@ def _gemm_args(**override):
     (dict(group_sizes=jnp.asarray([1, 2], jnp.int32)), ValueError, r"group_sizes must be \[G\] = \(3,\)"),
     (dict(group_sizes=jnp.asarray([1, 2, 3], jnp.int16)), TypeError, "group_sizes must be int32, got int16"),
     (dict(b=jnp.zeros((3, 100, 256), jnp.float8_e4m3fn)), ValueError, "N, K positive multiples of 128"),
+    (dict(b=jnp.zeros((0, 128, 256), jnp.float8_e4m3fn)), ValueError, "1 <= G <= 65535"),
     (dict(a=jnp.zeros((64, 384), jnp.float8_e4m3fn)), ValueError, r"a \(contiguous\) must be \[M, K\] with K = 256"),
     (dict(a=jnp.zeros((2, 64, 256), jnp.float8_e4m3fn)), ValueError, r"a \(masked\) must be \[G, R, K\] with G = 3"),
     (dict(a=jnp.zeros((256,), jnp.float8_e4m3fn)), ValueError, r"a must be \[M, K\] \(contiguous\) or \[G, R, K\]"),

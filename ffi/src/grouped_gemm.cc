@@ -30,6 +30,7 @@ namespace {
 
 constexpr char kOp[] = "jax_moe_a2a_grouped_gemm_fp8";
 constexpr int64_t kBlock = 128;
+constexpr int64_t kMaxGroups = 65535;  // the zero-fill kernel's grid.y in the masked layout
 
 // ---------------------------------------------------------------------------------------------------------------
 // Shape and dtype checks (shared by both platforms)
@@ -65,9 +66,10 @@ ffi::Error CheckGroupedGemm(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::F32>
     return InvalidArg(kOp, "b", "float8_e4m3fn", DataTypeName(b.element_type()));
   }
   const auto b_dims = b.dimensions();
-  if (b_dims.size() != 3 || b_dims[0] < 1 || b_dims[1] % kBlock || b_dims[1] == 0 || b_dims[2] % kBlock ||
-      b_dims[2] == 0) {
-    return InvalidArg(kOp, "b", "[G, N, K] with G >= 1 and N, K positive multiples of 128", DimsToString(b_dims));
+  if (b_dims.size() != 3 || b_dims[0] < 1 || b_dims[0] > kMaxGroups || b_dims[1] % kBlock || b_dims[1] == 0 ||
+      b_dims[2] % kBlock || b_dims[2] == 0) {
+    return InvalidArg(kOp, "b", "[G, N, K] with 1 <= G <= 65535 and N, K positive multiples of 128",
+                      DimsToString(b_dims));
   }
   s->groups = b_dims[0];
   s->n = b_dims[1];
