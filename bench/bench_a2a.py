@@ -15,6 +15,7 @@ sends times the wire bytes per token (x + scales + top-k ids + weights, from `la
 combine, the same pairs times 2 * hidden.
 
   python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--out DIR]
+  python bench/bench_a2a.py --plot bench/results/a2a_<ranks>ranks_<date>.json     (plot a result file)
 """
 
 from __future__ import annotations
@@ -64,6 +65,37 @@ def _nvlink_pairs(ids, num_ranks, num_experts):
   return pairs / num_ranks
 
 
+def _plot(path):
+  """Per-call time (chain) against tokens per rank, one panel per wire format; writes <path>.png."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  with open(path) as f:
+    rec = json.load(f)
+  rows = rec["rows"]
+  fmts = sorted({r["fmt"] for r in rows})
+  fig, axes = plt.subplots(1, len(fmts), figsize=(6 * len(fmts), 4.5), squeeze=False)
+  for ax, fmt in zip(axes[0], fmts):
+    for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["fmt"] == fmt}):
+      pts = sorted((r["tokens_per_rank"], r["chain_us"]) for r in rows
+                   if r["fmt"] == fmt and r["op"] == op and r["impl"] == impl)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} {impl}",
+              linestyle="-" if op == "dispatch" else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("us per call (in a jitted chain)")
+    ax.set_title(f"{fmt}, hidden {rec['hidden']}, top-{rec['top_k']} of {rec['num_experts']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(rec["device"], fontsize=9)
+  fig.tight_layout()
+  out = os.path.splitext(path)[0] + ".png"
+  fig.savefig(out, dpi=120)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 4096], help="tokens per rank")
@@ -74,7 +106,11 @@ def main(argv=None) -> int:
   p.add_argument("--chain", type=int, default=10, help="calls per jitted chain")
   p.add_argument("--runs", type=int, default=30)
   p.add_argument("--out", default=None)
+  p.add_argument("--plot", default=None, help="only plot this result file")
   args = p.parse_args(argv)
+  if args.plot:
+    print("wrote", _plot(args.plot))
+    return 0
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -201,6 +237,10 @@ def main(argv=None) -> int:
                                                 "hidden": args.hidden, "top_k": args.top_k,
                                                 "num_experts": args.experts, "rows": rows}, args.out)
   print("wrote", path)
+  try:
+    print("wrote", _plot(path))
+  except ImportError:
+    print("no matplotlib here: plot later with --plot", path)
   return 0
 
 
