@@ -382,8 +382,9 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     compute_dtype: matmul operand dtype.
     method: grouped matmul implementation of the `compute_dtype` path, see `swiglu_mlp_reference`.
     gemm_impl: None for the `compute_dtype` path; "auto", "ffi" or "reference" to run the experts in FP8 with
-      `swiglu_mlp_fp8` (the sorted rows are quantized 1x128, which is lossless for rows that arrived in
-      fp8_blockwise and were decoded exactly; float weights are quantized 128x128).
+      `swiglu_mlp_fp8`: FP8 rows (with `recv_x_sf`) are used as they arrived, float rows are quantized 1x128
+      (lossless for rows that arrived in fp8_blockwise and were decoded exactly, so both give the same result);
+      float weights are quantized 128x128.
 
   Returns:
     [num_ranks, capacity, hidden] `out_dtype`: per row, sum_k weight_k * expert_k(x).
@@ -405,9 +406,12 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   top_k = recv_topk_ids.shape[-1]
 
   rows = recv_x.reshape(num_ranks * capacity, hidden)
-  if recv_x_sf is not None:
-    rows = quant.dequantize_fp8_blockwise(rows, recv_x_sf.reshape(num_ranks * capacity, -1), dtype=jnp.float32)
-  elif recv_x.dtype == jnp.float8_e4m3fn:
+  # FP8 rows go to the FP8 experts as they are (codes and scales permuted together); otherwise they are decoded.
+  fp8_rows = recv_x_sf is not None and gemm_impl is not None
+  sf_rows = None if recv_x_sf is None else recv_x_sf.reshape(num_ranks * capacity, -1)
+  if recv_x_sf is not None and not fp8_rows:
+    rows = quant.dequantize_fp8_blockwise(rows, sf_rows, dtype=jnp.float32)
+  elif recv_x.dtype == jnp.float8_e4m3fn and recv_x_sf is None:
     raise ValueError(f"{op}: float8_e4m3fn recv_x needs recv_x_sf (its 1x128 scales), got None")
   ids = recv_topk_ids.reshape(-1)
   valid = (ids >= 0) & (ids < num_local_experts)
@@ -417,11 +421,13 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
     x_sorted = rows[order // top_k]
+    sf_sorted = sf_rows[order // top_k] if fp8_rows else None
   with jax.named_scope("experts"):
     if gemm_impl is None:
       y_sorted = swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
     else:
-      y_sorted = swiglu_mlp_fp8(x_sorted, group_sizes, weights, impl=gemm_impl).astype(jnp.float32)
+      y_sorted = swiglu_mlp_fp8(x_sorted, group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl)
+      y_sorted = y_sorted.astype(jnp.float32)
   with jax.named_scope("unpermute"):
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_ranks * capacity, top_k, hidden)
     w = jnp.where(valid, recv_topk_weights.reshape(-1), 0.0).reshape(-1, top_k)

@@ -95,6 +95,26 @@ def test_fp8_weights_and_fp8_rows():
   assert _max_rel(out, _oracle(x, ids, w, dense)) > 1e-3
 
 
+@pytest.mark.parametrize("gemm_impl", ["reference", "ffi"])
+def test_fp8_experts_take_fp8_rows_as_they_are(gemm_impl):
+  """With FP8 experts, FP8 rows and their decoded floats give the same bits (1x128 requantization of decoded
+  power-of-two-scaled rows is exact), and both stay close to the float32 oracle of the decoded rows."""
+  if gemm_impl == "ffi":
+    pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+  x, ids, w = _layout(3)
+  weights = _weights(3)
+  x_q, x_sf = quant.quantize_fp8_blockwise(jnp.asarray(x.reshape(-1, HIDDEN)), impl="reference")
+  x_deq = quant.dequantize_fp8_blockwise(x_q, x_sf).reshape(x.shape)
+  x_q, x_sf = x_q.reshape(x.shape), x_sf.reshape(x.shape[:2] + (HIDDEN // 128,))
+  stage = jax.jit(lambda x, ids, w, wt, x_sf=None: experts.expert_stage(
+      x, ids, w, wt, recv_x_sf=x_sf, out_dtype=jnp.float32, gemm_impl=gemm_impl))
+  direct = np.asarray(stage(x_q, ids, w, weights, x_sf=x_sf))
+  decoded = np.asarray(stage(x_deq, ids, w, weights))
+  np.testing.assert_array_equal(direct, decoded)
+  want = _oracle(np.asarray(x_deq), ids, w, weights)
+  assert 1.0 - 2.0 * np.sum(direct * want) / np.sum(direct ** 2 + want ** 2) < 3e-3
+
+
 @pytest.mark.parametrize("group_sizes", [(0, 0, 0), (1, 0, 300), (128, 129, 0), (17, 5, 40)])
 def test_tiled_and_ragged_dot_agree_with_gradients(group_sizes):
   """The tiled MLP (CPU path, custom VJP) and ragged_dot (JAX's own autodiff): values and all gradients.
