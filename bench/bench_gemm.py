@@ -21,7 +21,6 @@ Methods:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import signal
