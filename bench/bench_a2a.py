@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import time_per_call, write_result  # noqa: E402
+from common import plot_if_possible, save_plot, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import a2a, layout, quant  # noqa: E402
 
@@ -67,12 +67,10 @@ def _nvlink_pairs(ids, num_ranks, num_experts):
 
 def _plot(path):
   """Per-call time (chain) against tokens per rank, one panel per wire format; writes <path>.png."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
-  with open(path) as f:
-    rec = json.load(f)
+  return save_plot(path, _draw)
+
+
+def _draw(plt, rec):
   rows = rec["rows"]
   fmts = sorted({r["fmt"] for r in rows})
   fig, axes = plt.subplots(1, len(fmts), figsize=(6 * len(fmts), 4.5), squeeze=False)
@@ -90,10 +88,7 @@ def _plot(path):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
   fig.suptitle(rec["device"], fontsize=9)
-  fig.tight_layout()
-  out = os.path.splitext(path)[0] + ".png"
-  fig.savefig(out, dpi=120)
-  return out
+  return fig
 
 
 def main(argv=None) -> int:
@@ -237,10 +232,7 @@ def main(argv=None) -> int:
                                                 "hidden": args.hidden, "top_k": args.top_k,
                                                 "num_experts": args.experts, "rows": rows}, args.out)
   print("wrote", path)
-  try:
-    print("wrote", _plot(path))
-  except ImportError:
-    print("no matplotlib here: plot later with --plot", path)
+  plot_if_possible(path, _plot)
   return 0
 
 

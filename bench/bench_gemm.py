@@ -21,7 +21,6 @@ Methods:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import time_per_call, write_result  # noqa: E402
+from common import plot_if_possible, save_plot, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
@@ -126,11 +125,11 @@ def _check(g, rows, n, k, wts, act, sizes):
 
 
 def _plot(path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  with open(path) as f:
-    rec = json.load(f)
+  """TFLOP/s per method, grouped by shape; writes <path>.png."""
+  return save_plot(path, _draw)
+
+
+def _draw(plt, rec):
   rows = rec["rows"]
   configs = sorted({(r["n"], r["k"], r["groups"], r["rows_per_group"]) for r in rows})
   methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
@@ -145,10 +144,7 @@ def _plot(path):
   ax.set_ylabel("TFLOP/s (real rows)")
   ax.set_title(f"Grouped GEMM, {rec['device']}")
   ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  out = os.path.splitext(path)[0] + ".png"
-  fig.savefig(out, dpi=120)
-  return out
+  return fig
 
 
 def main(argv=None) -> int:
@@ -175,10 +171,7 @@ def main(argv=None) -> int:
     path = write_result("gemm", {"unit": "TFLOP/s = 2 * real rows * N * K / median time per call", "rows": results,
                                  "calc_diff_vs_fp32_dequantized": checks}, args.out)
     print("wrote", path)
-  try:
-    print("wrote", _plot(path))
-  except ImportError:
-    print("no matplotlib here: plot later with --plot", path)
+  plot_if_possible(path, _plot)
   return 0
 
 

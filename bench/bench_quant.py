@@ -14,7 +14,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import time_per_call, write_result  # noqa: E402

@@ -66,3 +66,26 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None)
   with open(path, "w") as f:
     json.dump(record, f, indent=1)
   return path
+
+
+def save_plot(result_path: str, draw: Callable[[Any, dict[str, Any]], Any]) -> str:
+  """Draws a result file with `draw(plt, record)` (which returns the figure), headless, into <result>.png."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  with open(result_path) as f:
+    record = json.load(f)
+  fig = draw(plt, record)
+  fig.tight_layout()
+  out = os.path.splitext(result_path)[0] + ".png"
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+  return out
+
+
+def plot_if_possible(result_path: str, plot: Callable[[str], str]) -> None:
+  """Plots a freshly written result where matplotlib is installed; otherwise says how to plot it later."""
+  try:
+    print("wrote", plot(result_path))
+  except ImportError:
+    print("no matplotlib here: plot later with --plot", result_path)

@@ -258,12 +258,17 @@ def _masked_mlp_reference(x, group_sizes, w_gate_up, w_down):
   return jnp.where((jnp.arange(x.shape[1])[None, :] < size[:, None])[..., None], y, 0.0)
 
 
+def _quantize_rows(x, impl):
+  """`quant.quantize_fp8_blockwise` of x [..., K]: E4M3 [..., K] and float32 scales [..., K/128]."""
+  k = x.shape[-1]
+  q, sf = quant.quantize_fp8_blockwise(x.reshape(-1, k), impl=impl)
+  return q.reshape(x.shape), sf.reshape(*x.shape[:-1], k // quant.FP8_BLOCK)
+
+
 def _fp8_operands(st: _Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   """FP8 activations (quantized here when float) and weights (quantized here when float)."""
-  hidden = x.shape[-1]
   if st.x_dtype is not None:
-    a, a_sf = quant.quantize_fp8_blockwise(x.reshape(-1, hidden), impl=st.impl)
-    x, x_sf = a.reshape(x.shape), a_sf.reshape(*x.shape[:-1], hidden // quant.FP8_BLOCK)
+    x, x_sf = _quantize_rows(x, st.impl)
   if st.w_dtype is not None:
     w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up)
     w_down, w_down_sf = quant.quantize_fp8_weight(w_down)
@@ -275,8 +280,7 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
   ffn = dn.shape[-1]
   h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
   act = jax.nn.silu(h[..., :ffn].astype(jnp.float32)) * h[..., ffn:].astype(jnp.float32)
-  q, q_sf = quant.quantize_fp8_blockwise(act.reshape(-1, ffn), impl=st.impl)
-  q, q_sf = q.reshape(act.shape), q_sf.reshape(*act.shape[:-1], ffn // quant.FP8_BLOCK)
+  q, q_sf = _quantize_rows(act, st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
   return y, (a, a_sf, group_sizes, gu, gu_sf, dn, dn_sf)
 
