@@ -1,4 +1,5 @@
-"""One-sided dispatch/combine against jax.lax.all_to_all and ragged_all_to_all, one process driving every GPU.
+"""One-sided dispatch/combine against jax.lax.all_to_all and ragged_all_to_all: one process driving every GPU, or
+one process per GPU under jax.distributed (``--processes N``: the workspace is then mapped through CUDA IPC).
 
 DeepSeek-V3 shapes by default: hidden 7168, top-8 of 256 experts, random routing. For each tokens-per-rank
 size and wire format it times, per call (median of many runs after warm-up, fresh inputs):
@@ -9,12 +10,16 @@ size and wire format it times, per call (median of many runs after warm-up, fres
   all_to_all-based dispatch has to move: every slot, routed or not);
 - ``ragged``: the bare ``jax.lax.ragged_all_to_all`` of the routed rows only (dispatch direction).
 
-"chain" times a jit of `--chain` calls on distinct inputs (launch cost amortized); "single" a jit of one call.
-GB/s counts the payload bytes that cross NVLink per GPU: for dispatch, (token, other rank) pairs the routing
-sends times the wire bytes per token (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for
-combine, the same pairs times 2 * hidden.
+"chain" times a jit of `--chain` calls on distinct inputs (launch cost amortized); "single" a jit of one call;
+"gpu" is the device time per call in one chain: from a profiler trace, the slowest local GPU's span from its first
+kernel's start to its last kernel's end (waits included, host launch cost not), divided by the calls. Combine
+is timed as dispatch + combine minus dispatch alone, each way.
+GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb_per_s) and over the gpu time
+(gpu_gb_per_s): for dispatch, (token, other rank) pairs the routing sends times the wire bytes per token
+(x + scales + top-k ids + weights, from `layout.dispatch_layout`); for combine, the same pairs times 2 * hidden.
 
-  python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--out DIR]
+  python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--impls ...] [--kernels]
+                            [--processes N] [--out DIR]
   python bench/bench_a2a.py --plot bench/results/a2a_<ranks>ranks_<date>.json     (plot a result file)
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
 
 import jax
@@ -30,14 +37,22 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_if_possible, save_plot, time_per_call, write_result  # noqa: E402
+from common import (device_kernels, plot_if_possible, print_kernel_table, save_plot, time_per_call,  # noqa: E402
+                    write_result)
 
 from jax_moe_a2a import a2a, layout, quant  # noqa: E402
 
 AXIS = "ep"
 
 
+def _global(mesh, a):
+  """A global array sharded over the expert axis, from a host array every process holds in full."""
+  a = np.asarray(a)
+  return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(AXIS)), lambda index: a[index])
+
+
 def _inputs(key, mesh, num_ranks, tokens, hidden, top_k, num_experts, fmt):
+  """(x, x_sf, ids, weights) as global arrays, and the ids on the host. The same in every process."""
   k1, k2, k3 = jax.random.split(key, 3)
   x = jax.random.normal(k1, (num_ranks * tokens, hidden), jnp.bfloat16)
   # Random routing: top_k distinct experts per token.
@@ -47,14 +62,12 @@ def _inputs(key, mesh, num_ranks, tokens, hidden, top_k, num_experts, fmt):
   x_sf = None
   if fmt == layout.FP8_BLOCKWISE:
     x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
-  sharding = NamedSharding(mesh, P(AXIS))
-  put = lambda a: None if a is None else jax.device_put(a, sharding)
-  return put(x), put(x_sf), put(ids), put(weights)
+  put = lambda a: None if a is None else _global(mesh, a)
+  return (put(x), put(x_sf), put(ids), put(weights)), np.asarray(ids)
 
 
 def _nvlink_pairs(ids, num_ranks, num_experts):
   """(token, destination != source) pairs of the routing, summed over all ranks, divided by ranks (per GPU)."""
-  ids = np.asarray(ids)
   tokens = ids.shape[0] // num_ranks
   local = num_experts // num_ranks
   src = np.repeat(np.arange(num_ranks), tokens)
@@ -102,24 +115,41 @@ def main(argv=None) -> int:
   p.add_argument("--runs", type=int, default=30)
   p.add_argument("--out", default=None)
   p.add_argument("--plot", default=None, help="only plot this result file")
+  p.add_argument("--impls", nargs="+", default=["ffi", "twin", "all_to_all", "ragged"],
+                 choices=["ffi", "twin", "all_to_all", "ragged"])
+  p.add_argument("--kernels", action="store_true", help="also print each chain's GPU kernels (profiler trace)")
+  p.add_argument("--processes", type=int, default=1,
+                 help="one process per GPU under jax.distributed (this many, each on its own GPU)")
+  p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set for the workers
+  p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.plot:
     print("wrote", _plot(args.plot))
     return 0
+  if args.processes > 1 and args.process_id is None:
+    return _spawn(args.processes, sys.argv[1:] if argv is None else list(argv))
+  if args.process_id is not None:
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.processes,
+                               process_id=args.process_id, local_device_ids=[args.process_id])
+  lead = jax.process_index() == 0  # prints and writes the result; every process runs the same calls
 
   devices = jax.devices()
   num_ranks = len(devices)
   mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
   spec = P(AXIS)
   rows = []
-  print(f"{num_ranks} ranks, hidden {args.hidden}, top-{args.top_k} of {args.experts}")
-  print(f"{'T/rank':>6} {'fmt':>13} {'op':>8} {'impl':>10} {'chain us':>9} {'single us':>9} {'GB/s':>7}")
+  say = print if lead else (lambda *a, **k: None)
+  say(f"{num_ranks} ranks in {jax.process_count()} process(es), hidden {args.hidden}, top-{args.top_k} of "
+      f"{args.experts}")
+  say(f"{'T/rank':>6} {'fmt':>13} {'op':>8} {'impl':>10} {'chain us':>9} {'single us':>9} {'gpu us':>8} "
+      f"{'GB/s':>7}")
   for fmt in args.formats:
     d = layout.dispatch_layout(args.hidden, fmt, top_k=args.top_k)
     for tokens in args.tokens:
-      sets = [_inputs(jax.random.key(1000 * tokens + i), mesh, num_ranks, tokens, args.hidden, args.top_k,
+      made = [_inputs(jax.random.key(1000 * tokens + i), mesh, num_ranks, tokens, args.hidden, args.top_k,
                       args.experts, fmt) for i in range(args.chain)]
-      pairs = _nvlink_pairs(sets[0][2], num_ranks, args.experts)
+      sets, ids0 = [m[0] for m in made], made[0][1]
+      pairs = _nvlink_pairs(ids0, num_ranks, args.experts)
       ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=tokens, hidden=args.hidden, top_k=args.top_k, fmt=fmt,
                          timeout_s=30)
       has_sf = sets[0][1] is not None
@@ -136,19 +166,22 @@ def main(argv=None) -> int:
         f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n), out_specs=[spec] * n, check_vma=False)
         return jax.jit(f)
 
+      # The expert output that combine sends back: a bf16 input of its own, so that nothing but the two custom
+      # calls runs between them (combine's time is that of the pair minus that of dispatch alone).
+      expert_out = _global(mesh, jax.random.normal(jax.random.key(tokens), (num_ranks * num_ranks, tokens, args.hidden),
+                                                   jnp.bfloat16))
+
       def pair_fn(impl, n):
-        """n x (dispatch + combine of a bf16 expert output derived from what arrived)."""
-        def body(*flat):
+        """n x (dispatch + combine of a bf16 expert output)."""
+        def body(eo, *flat):
           outs = []
           for i in range(n):
             x, x_sf, ids, w = flat[4 * i:4 * i + 4]
-            res, h = a2a.dispatch(x, ids, w, num_experts=args.experts, axis_name=AXIS, x_sf=x_sf if has_sf else None,
-                                  workspace=ws if impl == "ffi" else None, impl=impl)
-            expert_out = res.recv_x.astype(jnp.bfloat16) if not has_sf else \
-                jnp.broadcast_to(res.recv_topk_weights[..., :1], res.recv_x.shape).astype(jnp.bfloat16)
-            outs.append(a2a.combine(expert_out, h))
+            _, h = a2a.dispatch(x, ids, w, num_experts=args.experts, axis_name=AXIS, x_sf=x_sf if has_sf else None,
+                                workspace=ws if impl == "ffi" else None, impl=impl)
+            outs.append(a2a.combine(eo, h))
           return outs
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n), out_specs=[spec] * n,
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n + 1), out_specs=[spec] * n,
                                      check_vma=False))
 
       def flat_inputs(sets_):
@@ -158,48 +191,67 @@ def main(argv=None) -> int:
           out += [x, x_sf if has_sf else jnp.zeros((x.shape[0], 1), jnp.float32), ids, w]
         return out
 
-      def record(op, impl, chain_s, single_s, nbytes):
+      def record(op, impl, chain_s, single_s, nbytes, gpu_us=None):
         gbps = nbytes / chain_s / 1e9 if chain_s else float("nan")
         rows.append({"tokens_per_rank": tokens, "fmt": fmt, "op": op, "impl": impl, "chain_us": chain_s * 1e6,
-                     "single_us": single_s * 1e6, "nvlink_bytes_per_gpu": nbytes, "gb_per_s": gbps})
-        print(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single_s * 1e6:>9.1f} {gbps:>7.1f}",
-              flush=True)
+                     "single_us": single_s * 1e6, "gpu_us": gpu_us, "nvlink_bytes_per_gpu": nbytes,
+                     "gb_per_s": gbps, "gpu_gb_per_s": nbytes / gpu_us / 1e3 if gpu_us else None})
+        gpu = "-" if gpu_us is None else f"{gpu_us:.1f}"
+        say(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single_s * 1e6:>9.1f} {gpu:>8} "
+            f"{gbps:>7.1f}", flush=True)
+
+      def gpu_span_us(fn, fn_args, label):
+        """Per call: the slowest device's span from its first kernel start to its last kernel end, in one chain."""
+        kernels = device_kernels(fn, fn_args)
+        if args.kernels and lead:
+          print(f"  kernels of {label} ({args.chain} calls):")
+          print_kernel_table(kernels, args.chain)
+        spans = [(max(s + d for _, s, d in ev) - ev[0][1]) / 1e3 / args.chain for ev in kernels.values() if ev]
+        return max(spans) if spans else None
 
       chain_in = [tuple(flat_inputs(sets))]
       single_in = [tuple(flat_inputs([s])) for s in sets]
+      pair_chain_in = [(expert_out, *chain_in[0])]
+      pair_single_in = [(expert_out, *s) for s in single_in]
       disp_bytes = pairs * d.bytes_per_token
       comb_bytes = pairs * 2 * args.hidden
-      for impl in ("ffi", "reference"):
-        name = "ffi" if impl == "ffi" else "twin"
-        t_chain = time_per_call(dispatch_fn(impl, args.chain), chain_in, calls_per_run=args.chain, runs=args.runs)
+      for name in [i for i in ("ffi", "twin") if i in args.impls]:
+        impl = "ffi" if name == "ffi" else "reference"
+        d_fn, p_fn = dispatch_fn(impl, args.chain), pair_fn(impl, args.chain)
+        t_chain = time_per_call(d_fn, chain_in, calls_per_run=args.chain, runs=args.runs)
         t_single = time_per_call(dispatch_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
-        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes)
+        d_gpu = gpu_span_us(d_fn, chain_in[0], f"dispatch {name}")
+        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu)
         # Combine = (dispatch + combine) - dispatch, both medians of their own runs.
-        p_chain = time_per_call(pair_fn(impl, args.chain), chain_in, calls_per_run=args.chain, runs=args.runs)
-        p_single = time_per_call(pair_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
+        p_chain = time_per_call(p_fn, pair_chain_in, calls_per_run=args.chain, runs=args.runs)
+        p_single = time_per_call(pair_fn(impl, 1), pair_single_in, calls_per_run=1, runs=args.runs)
+        p_gpu = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}")
         record("combine", name, p_chain["median_s"] - t_chain["median_s"], p_single["median_s"] - t_single["median_s"],
-               comb_bytes)
+               comb_bytes, None if d_gpu is None or p_gpu is None else p_gpu - d_gpu)
 
       # Bare collectives carrying the same wire bytes.
       row_bytes = d.bytes_per_token
-      lossless = [jnp.zeros((num_ranks * num_ranks, tokens, row_bytes), jnp.uint8) for _ in range(args.chain)]
-      lossless = [jax.device_put(b, NamedSharding(mesh, spec)) for b in lossless]
+      lossless = [_global(mesh, np.zeros((num_ranks * num_ranks, tokens, row_bytes), np.uint8))
+                  for _ in range(args.chain)]
 
-      def a2a_fn(n):
-        body = lambda *bs: [jax.lax.all_to_all(b, AXIS, 0, 0, tiled=True) for b in bs]
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n, out_specs=[spec] * n))
-      t_chain = time_per_call(a2a_fn(args.chain), [tuple(lossless)], calls_per_run=args.chain, runs=args.runs)
-      t_single = time_per_call(a2a_fn(1), [(b,) for b in lossless], calls_per_run=1, runs=args.runs)
-      record("dispatch", "all_to_all", t_chain["median_s"], t_single["median_s"], disp_bytes)
-      combine_buf = [jax.device_put(jnp.zeros((num_ranks * num_ranks, tokens, args.hidden), jnp.bfloat16),
-                                    NamedSharding(mesh, spec)) for _ in range(args.chain)]
-      t_chain = time_per_call(a2a_fn(args.chain), [tuple(combine_buf)], calls_per_run=args.chain, runs=args.runs)
-      t_single = time_per_call(a2a_fn(1), [(b,) for b in combine_buf], calls_per_run=1, runs=args.runs)
-      record("combine", "all_to_all", t_chain["median_s"], t_single["median_s"], comb_bytes)
-      del combine_buf
+      if "all_to_all" in args.impls:
+        def a2a_fn(n):
+          body = lambda *bs: [jax.lax.all_to_all(b, AXIS, 0, 0, tiled=True) for b in bs]
+          return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n, out_specs=[spec] * n))
+        t_chain = time_per_call(a2a_fn(args.chain), [tuple(lossless)], calls_per_run=args.chain, runs=args.runs)
+        t_single = time_per_call(a2a_fn(1), [(b,) for b in lossless], calls_per_run=1, runs=args.runs)
+        record("dispatch", "all_to_all", t_chain["median_s"], t_single["median_s"], disp_bytes,
+               gpu_span_us(a2a_fn(args.chain), tuple(lossless), "all_to_all (dispatch bytes)"))
+        combine_buf = [_global(mesh, np.zeros((num_ranks * num_ranks, tokens, args.hidden), jnp.bfloat16))
+                       for _ in range(args.chain)]
+        t_chain = time_per_call(a2a_fn(args.chain), [tuple(combine_buf)], calls_per_run=args.chain, runs=args.runs)
+        t_single = time_per_call(a2a_fn(1), [(b,) for b in combine_buf], calls_per_run=1, runs=args.runs)
+        record("combine", "all_to_all", t_chain["median_s"], t_single["median_s"], comb_bytes,
+               gpu_span_us(a2a_fn(args.chain), tuple(combine_buf), "all_to_all (combine bytes)"))
+        del combine_buf
 
-      if jax.default_backend() == "gpu":
-        counts = np.array([[int(np.sum(np.any(np.asarray(sets[0][2])[s * tokens:(s + 1) * tokens] //
+      if "ragged" in args.impls and jax.default_backend() == "gpu":
+        counts = np.array([[int(np.sum(np.any(ids0[s * tokens:(s + 1) * tokens] //
                                               (args.experts // num_ranks) == r, axis=1)))
                             for r in range(num_ranks)] for s in range(num_ranks)], np.int32)  # [src, dst]
 
@@ -225,15 +277,33 @@ def main(argv=None) -> int:
                                    runs=max(3, args.runs // 5))
           record("dispatch", "ragged", t_chain["median_s"], t_single["median_s"], disp_bytes)
         except Exception as e:  # pylint: disable=broad-except
-          print(f"ragged_all_to_all failed: {type(e).__name__}: {str(e)[:200]}")
+          say(f"ragged_all_to_all failed: {type(e).__name__}: {str(e)[:200]}")
       ws.close()
-      del sets, lossless
-  path = write_result(f"a2a_{num_ranks}ranks", {"unit": "GB/s = NVLink payload bytes per GPU / chain time",
-                                                "hidden": args.hidden, "top_k": args.top_k,
-                                                "num_experts": args.experts, "rows": rows}, args.out)
+      del sets, lossless, expert_out
+  if not lead:
+    return 0
+  name = f"a2a_{num_ranks}ranks" + (f"_{jax.process_count()}processes" if jax.process_count() > 1 else "")
+  path = write_result(name, {"unit": "GB/s = NVLink payload bytes per GPU / time", "processes": jax.process_count(),
+                             "hidden": args.hidden, "top_k": args.top_k, "num_experts": args.experts, "rows": rows},
+                      args.out)
   print("wrote", path)
   plot_if_possible(path, _plot)
   return 0
+
+
+def _spawn(num_processes: int, argv: list[str]) -> int:
+  """Runs this script once per GPU under jax.distributed; the output is process 0's."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i), "--port",
+                             str(port)], env=env, stdout=None if i == 0 else subprocess.DEVNULL)
+           for i in range(num_processes)]
+  codes = [p.wait() for p in procs]
+  if any(codes):
+    print(f"worker exit codes: {codes}")
+  return max(codes, key=abs)
 
 
 if __name__ == "__main__":

@@ -89,3 +89,54 @@ def plot_if_possible(result_path: str, plot: Callable[[str], str]) -> None:
     print("wrote", plot(result_path))
   except ImportError:
     print("no matplotlib here: plot later with --plot", result_path)
+
+
+Kernels = dict[str, list[tuple[str, int, int]]]  # device -> [(kernel name, start ns, duration ns)]
+
+
+def device_kernels(fn: Callable[..., Any], args: tuple, *, runs: int = 2) -> Kernels:
+  """GPU kernels of the last of `runs` traced calls of `fn(*args)`, per device: [(kernel name, start ns, duration ns)].
+
+  Read from a `jax.profiler` trace (CUPTI device timestamps), so launch and host costs are not in the durations;
+  the gaps between kernels show them. Only the last call is kept: the ones before it line the devices (and, under
+  jax.distributed, the processes) up, so its first kernels do not wait for a late peer. Every call launches the
+  same kernels, so the last call's are the last 1/runs of each device's events. Empty where the backend records no
+  device activity (CPU).
+  """
+  import glob  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(runs):
+        jax.block_until_ready(fn(*args))
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+  out: Kernels = {}
+  for plane in (data.planes if data else []):
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    events = []
+    for line in plane.lines:
+      if line.name.startswith("Stream"):
+        events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
+    events.sort(key=lambda e: e[1])
+    out[plane.name] = events[len(events) - len(events) // runs:]
+  return out
+
+
+def print_kernel_table(kernels: Kernels, calls: int) -> None:
+  """Per device: span from first kernel start to last kernel end, busy time, and each kernel's mean per call."""
+  for device, events in kernels.items():
+    if not events:
+      continue
+    span = (max(s + d for _, s, d in events) - events[0][1]) / 1e3
+    busy = sum(d for _, _, d in events) / 1e3
+    print(f"  {device}: span {span / calls:.1f} us/call, kernels busy {busy / calls:.1f} us/call")
+    by_name: dict[str, list[int]] = {}
+    for name, _, dur in events:
+      by_name.setdefault(name, []).append(dur)
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+      short = name if len(name) <= 70 else name[:67] + "..."
+      print(f"    {len(durs):>4} x {statistics.mean(durs) / 1e3:>8.1f} us  {short}")

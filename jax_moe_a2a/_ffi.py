@@ -98,8 +98,8 @@ def resolve_impl(op: str, impl: str) -> str:
   return impl
 
 
-def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, has_side_effect: bool = False, **attrs: Any):
+def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any):
   """Calls FFI target ``jax_moe_a2a_<target>`` (registering the extension first) with `args` and `attrs`."""
   register()
-  call = jax.ffi.ffi_call(TARGET_PREFIX + target, result_shape_dtypes, has_side_effect=has_side_effect)
+  call = jax.ffi.ffi_call(TARGET_PREFIX + target, result_shape_dtypes)
   return call(*args, **attrs)

@@ -208,8 +208,8 @@ class WorkspaceLayout:
   Shared by all buffers:
 
   - ``flags`` [2, num_ranks] uint64: per-source epoch flags of dispatch and combine, written by the peers;
-  - ``sync``  [2, 4] uint64 then [num_ranks] int32: per op this rank's completed epoch (advanced by the
-    kernels) and two arrival counters of its kernels' blocks, then the send counts of the current dispatch.
+  - ``sync``  [2, 4] uint64: per op this rank's completed epoch (advanced by the kernels), two arrival counters
+    of its kernels' blocks, and a spare word (the dispatch's holds the device's sticky error code).
 
   Attributes:
     num_ranks, capacity: the sizes the layout was computed for.
@@ -272,7 +272,7 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
   )
   shared = (
       ("flags", 2 * num_ranks * FLAG_BYTES),
-      ("sync", 2 * SYNC_WORDS * FLAG_BYTES + 4 * num_ranks),
+      ("sync", 2 * SYNC_WORDS * FLAG_BYTES),
   )
   named = [(f"buf{b}.{name}", size) for b in range(num_buffers) for name, size in per_buffer] + list(shared)
   regions = []

@@ -111,6 +111,27 @@ def test_fp8_wire_and_a_capacity_larger_than_the_call():
   _assert_outputs_equal(got, want)
 
 
+@pytest.mark.parametrize("fmt,hidden", [("bf16", 1096), ("fp8_blockwise", 2176)])
+def test_rows_longer_than_one_copy_piece(fmt, hidden):
+  """The GPU kernels move a row in 2 KiB pieces; rows of several pieces, the last one partial, arrive whole."""
+  mesh = _mesh()
+  num_ranks, num_tokens, top_k = mesh.shape[AXIS], 37, 4
+  num_experts = 4 * num_ranks
+  rng = np.random.default_rng(hidden)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
+  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
+  x_sf = None
+  if fmt == "fp8_blockwise":
+    x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  x, x_sf, ids, weights = _put(mesh, x, x_sf, ids, weights)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, fmt=fmt,
+                     combine_dtype=jnp.float32, timeout_s=20) as ws:
+    got = _run(mesh, ws, x, x_sf, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
+    want = _run(mesh, None, x, x_sf, ids, weights, num_experts, "reference", combine_dtype=jnp.float32)
+    ws.check()
+  _assert_outputs_equal(got, want)
+
+
 def test_many_back_to_back_calls_stay_exact():
   """1000 dispatch+combine pairs in one jit (a fori_loop): buffers alternate, flags and epochs advance."""
   mesh = _mesh()
@@ -251,7 +272,7 @@ def test_handler_rejects_a_workspace_too_small_for_the_offsets():
       out = (jax.ShapeDtypeStruct((num_ranks, 2, 8), x.dtype), jax.ShapeDtypeStruct((num_ranks, 2, 0), jnp.uint8),
              jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.int32), jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.float32),
              jax.ShapeDtypeStruct((num_ranks,), jnp.int32), jax.ShapeDtypeStruct((2, num_ranks), jnp.int32))
-      outs = _ffi.ffi_call("dispatch", out, x, jnp.zeros((2, 0), jnp.uint8), ids, w, has_side_effect=True,
+      outs = _ffi.ffi_call("dispatch", out, x, jnp.zeros((2, 0), jnp.uint8), ids, w,
                            num_experts=np.int64(num_ranks), **attrs)
       return outs[4][None]
     x, ids, w = _put(mesh, jnp.ones((2 * num_ranks, 8), jnp.bfloat16), jnp.zeros((2 * num_ranks, 1), jnp.int32),

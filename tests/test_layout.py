@@ -192,11 +192,11 @@ def test_bad_top_k(top_k):
 
 # num_ranks=2, capacity=3, hidden=256, top_k=2, fp8_blockwise, bf16 combine (6 slots):
 #   recv_x 6*256 = 1536, recv_x_sf 6*8 = 48, recv_topk_ids 6*8 = 48, recv_topk_weights 48, recv_counts 2*4 = 8,
-#   combine 6*256*2 = 3072; flags 2*2*8 = 32; sync 2*4*8 + 4*2 = 72.
+#   combine 6*256*2 = 3072; flags 2*2*8 = 32; sync 2*4*8 = 64.
 # Offsets: each next offset is round_up(previous end, 128):
 #   0 +1536 -> 1536 +48 -> 1584 => 1664 +48 -> 1712 => 1792 +48 -> 1840 => 1920 +8 -> 1928 => 2048
 #   +3072 -> 5120 (buffer stride 5120) ... buf1.combine 7168 +3072 -> 10240; flags 10240 +32 => 10368;
-#   sync 10368 +72 -> 10440 => 10496 = total.
+#   sync 10368 +64 -> 10432 => 10496 = total.
 FP8_CASE = dict(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise")
 FP8_CASE_REGIONS = [
     ("buf0.recv_x", 0, 1536),
@@ -212,7 +212,7 @@ FP8_CASE_REGIONS = [
     ("buf1.recv_counts", 7040, 8),
     ("buf1.combine", 7168, 3072),
     ("flags", 10240, 32),
-    ("sync", 10368, 72),
+    ("sync", 10368, 64),
 ]
 
 
@@ -242,7 +242,7 @@ def test_workspace_region_lookup():
   r = ws.region("buf0.combine")
   assert (r.name, r.offset, r.size, r.end) == ("buf0.combine", 2048, 3072, 5120)
   r = ws.region("sync")
-  assert (r.offset, r.size, r.end) == (10368, 72, 10440)
+  assert (r.offset, r.size, r.end) == (10368, 64, 10432)
   assert ws.region("flags").offset == 10240
   assert ws.region("buf1.recv_counts").size == 8
 
@@ -274,10 +274,10 @@ def test_workspace_three_buffers_constant_stride():
 
 
 def test_workspace_single_buffer():
-  # buf0 as above; flags at 5120 (+32 -> 5152 => 5248); sync at 5248 (+72 -> 5320 => 5376).
+  # buf0 as above; flags at 5120 (+32 -> 5152 => 5248); sync at 5248 (+64 -> 5312 => 5376).
   ws = workspace_layout(**FP8_CASE, num_buffers=1)
   assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS[:6] + [
-      ("flags", 5120, 32), ("sync", 5248, 72)]
+      ("flags", 5120, 32), ("sync", 5248, 64)]
   assert ws.total_bytes == 5376
   assert ws.num_buffers == 1
   assert not any(r.name.startswith("buf1.") for r in ws.regions)
@@ -293,7 +293,7 @@ def test_workspace_combine_dtype_bytes_4_doubles_combine():
   assert ws4.region("buf1.combine").size == 6144
   assert ws4.combine_bytes_per_token == 1024
   # combine at 2048 now ends at 8192: buffer stride 8192; buf1.combine 10240 -> 16384; flags 16384 => 16512;
-  # sync 16512 +72 -> 16584 => 16640.
+  # sync 16512 +64 -> 16576 => 16640.
   assert ws4.region("buf1.recv_x").offset == 8192
   assert ws4.region("buf1.combine").offset == 10240
   assert ws4.region("flags").offset == 16384
@@ -324,10 +324,10 @@ def test_workspace_hand_computed_bf16_zero_size_scale_region():
 
 
 def test_workspace_shared_regions_scale_with_ranks():
-  # 8 ranks: flags 2*8*8 = 128; sync 2*4*8 + 4*8 = 96; recv_counts 8*4 = 32.
+  # 8 ranks: flags 2*8*8 = 128; sync 2*4*8 = 64; recv_counts 8*4 = 32.
   ws = workspace_layout(num_ranks=8, capacity=16, hidden=7168, top_k=8, fmt="fp8_blockwise", num_buffers=1)
   assert ws.region("flags").size == 128
-  assert ws.region("sync").size == 96
+  assert ws.region("sync").size == 64
   assert ws.region("buf0.recv_counts").size == 32
   # 128 slots: recv_x 128*7168 = 917504; scales 128*224 = 28672; ids/weights 128*32 = 4096; combine 128*14336.
   assert ws.region("buf0.recv_x").size == 917504

@@ -39,8 +39,8 @@ constexpr char kCombineOp[] = "jax_moe_a2a_combine";
 // Shape checks and workspace geometry (shared by both platforms)
 // ---------------------------------------------------------------------------------------------------------------
 
-// The sync region: per op {epoch, put arrivals, receive arrivals, spare} uint64, then [R] int32 send counts.
-int64_t SyncBytes(int64_t num_ranks) { return 2 * 4 * 8 + 4 * num_ranks; }
+// The sync region: per op {epoch, put arrivals, receive arrivals, abort word or spare} uint64.
+int64_t SyncBytes() { return 2 * kSyncWords * 8; }
 
 int64_t RowBytes(const ffi::AnyBuffer& b, int64_t leading) {
   return leading == 0 ? 0 : static_cast<int64_t>(b.size_bytes()) / leading;
@@ -121,7 +121,7 @@ int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
                           g.off_counts + g.num_ranks * 4});
-  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes(g.num_ranks)});
+  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
 std::string DispatchSignature(const DispatchGeometry& g, int64_t num_experts) {
@@ -305,7 +305,7 @@ ffi::Error CheckCombine(const ffi::AnyBuffer& expert_out, const ffi::Buffer<ffi:
 
 int64_t CombineNeededBytes(const CombineGeometry& g) {
   return std::max({g.off_combine + g.num_ranks * g.capacity * g.hidden * g.in_bytes + g.buffer_stride,
-                   g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes(g.num_ranks)});
+                   g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
 std::string CombineSignature(const CombineGeometry& g) {

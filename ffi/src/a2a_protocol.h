@@ -6,10 +6,12 @@ namespace jax_moe_a2a {
 // Ranks of one expert group that the GPU kernels' peer table holds.
 constexpr int kMaxRanks = 64;
 
-// Sync region, per op: {epoch, put arrivals, receive arrivals, spare} uint64; after both ops, [R] int32 send
-// counts of the current dispatch. Flags: [op][source rank] uint64 = (epoch << 16) | call signature.
+// Sync region, per op: {epoch, put arrivals, receive arrivals, spare} uint64. Flags: [op][source rank] uint64 =
+// (epoch << 16) | call signature.
 constexpr int kSyncWords = 4;
-constexpr int kSyncCountsOffset = 2 * kSyncWords * 8;
+// The spare word of the dispatch op holds this device's error code (below) in device memory: waiting threads
+// poll it there, never the host-mapped error word, whose reads cross PCIe and stall every poller behind them.
+constexpr int kSyncAbortWord = 3;
 
 // Error word values written by the kernels (host-mapped, sticky until the workspace is closed).
 constexpr int kErrorTimeoutBase = 1;         // + source rank: that source did not raise its flag in time
