@@ -168,15 +168,25 @@ __host__ __device__ __forceinline__ int64_t Pieces(int64_t row_bytes) {
   return row_bytes <= kPieceBytes ? 1 : (row_bytes + kPieceBytes - 1) / kPieceBytes;
 }
 
-// Adds to counts[r] (shared) how many tokens of [begin, end) have a valid expert on rank r: each warp takes 32
-// tokens at a time and counts them per rank with ballots.
+// Adds to counts[r] (shared) how many tokens of [begin, end) have a valid expert on rank r: each warp takes
+// kCountUnroll groups of 32 tokens at a time (their ids loaded together, one L2 round trip per step) and counts them
+// per rank with ballots.
+constexpr int kCountUnroll = 2;
+
 __device__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local, int32_t* counts) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t lo = 0, hi = 0;  // this lane's counts for ranks lane and lane + 32
-  for (int64_t c = begin + warp * 32; c < end; c += kThreads) {
-    const uint64_t mask = c + lane < end ? DestMask(p, c + lane, local) : 0;
+  for (int64_t c = begin + warp * 32 * kCountUnroll; c < end; c += kThreads * kCountUnroll) {
+    uint64_t mask[kCountUnroll];
+#pragma unroll
+    for (int u = 0; u < kCountUnroll; ++u) {
+      const int64_t t = c + u * 32 + lane;
+      mask[u] = t < end ? DestMask(p, t, local) : 0;
+    }
     for (int r = 0; r < p.num_ranks; ++r) {
-      const int n = __popc(__ballot_sync(0xFFFFFFFFu, (mask >> r) & 1));
+      int n = 0;
+#pragma unroll
+      for (int u = 0; u < kCountUnroll; ++u) n += __popc(__ballot_sync(0xFFFFFFFFu, (mask[u] >> r) & 1));
       if (r == lane) lo += n;
       if (r == lane + 32) hi += n;
     }
@@ -384,19 +394,28 @@ __global__ void __launch_bounds__(kThreads) CombineReduceKernel(const __grid_con
   const int64_t in_row = p.hidden * sizeof(In);
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     const int32_t* slots = p.send_slot + t * p.num_ranks;
-    for (int64_t h = threadIdx.x * 8; h < p.hidden; h += blockDim.x * 8) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // Two 8-value vectors per thread and step, their loads issued before the adds (more bytes in flight).
+    for (int64_t h0 = threadIdx.x * 8; h0 < p.hidden; h0 += 2 * blockDim.x * 8) {
+      const int64_t h1 = h0 + blockDim.x * 8;
+      const bool two = h1 < p.hidden;
+      float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int r = 0; r < p.num_ranks; ++r) {
         const int32_t slot = slots[r];
         if (slot < 0) continue;
         const uint8_t* row = r == p.me ? p.expert_out + (p.me * p.num_tokens + slot) * in_row
                                        : region + (r * p.capacity + slot) * in_row;
-        float v[8];
-        LoadVec8<In>(row + h * sizeof(In), v);
+        float v0[8], v1[8];
+        LoadVec8<In>(row + h0 * sizeof(In), v0);
+        if (two) LoadVec8<In>(row + h1 * sizeof(In), v1);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], v[u]);
+        for (int u = 0; u < 8; ++u) acc0[u] = __fadd_rn(acc0[u], v0[u]);
+        if (two) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc1[u] = __fadd_rn(acc1[u], v1[u]);
+        }
       }
-      StoreVec8<Out>(p.out + (t * p.hidden + h) * sizeof(Out), acc);
+      StoreVec8<Out>(p.out + (t * p.hidden + h0) * sizeof(Out), acc0);
+      if (two) StoreVec8<Out>(p.out + (t * p.hidden + h1) * sizeof(Out), acc1);
     }
   }
   LastBlock<false>(&sync[2], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
