@@ -236,6 +236,22 @@ def test_a_missing_peer_is_an_error_naming_it_and_the_process_stays_usable():
     np.testing.assert_array_equal(counts[0], np.full(num_ranks, 2))
 
 
+def test_close_waits_for_calls_already_dispatched():
+  """Closing right after an asynchronous call waits for it; its results stay valid and equal the twin's."""
+  mesh = _mesh()
+  num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 9, 64, 2
+  num_experts = 2 * num_ranks
+  rng = np.random.default_rng(3)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "random")
+  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
+  x, ids, weights = _put(mesh, x, ids, weights)
+  ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, timeout_s=20)
+  got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")  # returns before the devices are done
+  ws.close()
+  want = _run(mesh, None, x, None, ids, weights, num_experts, "reference")
+  _assert_outputs_equal(got, want)
+
+
 def test_life_cycle_and_fit_errors():
   mesh = _mesh()
   ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32)
