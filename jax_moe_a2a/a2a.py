@@ -178,15 +178,23 @@ def _scatter_to_slots(rows: jax.Array, send_slot: jax.Array, *, per_rank: bool, 
   dtype = rows.dtype
   bits = _as_bits(rows)
   row_shape = bits.shape[2:] if per_rank else bits.shape[1:]
-  if not per_rank:
-    bits = jnp.broadcast_to(bits[:, None], (num_tokens, num_ranks) + row_shape)
-  fill = 0 if jnp.issubdtype(dtype, jnp.floating) else int_fill
-  buf = jnp.full((num_ranks, num_tokens) + row_shape, fill, bits.dtype)
-  # Tokens not sent to r get slot T, which is out of bounds and dropped (negative indices would wrap).
+  fill = jnp.asarray(0 if jnp.issubdtype(dtype, jnp.floating) else int_fill, bits.dtype)
+  if num_tokens == 0:
+    return _from_bits(jnp.full((num_ranks, 0) + row_shape, fill), dtype)
+  # The inverse of send_slot, src[r, j]: the token in slot j of rank r, or T for padding. Only these indices are
+  # scattered (tokens not sent to r get slot T, out of bounds and dropped); the rows themselves move by a gather,
+  # which has no write conflicts to serialize.
   slot = jnp.where(send_slot >= 0, send_slot, num_tokens)
   rank = jnp.broadcast_to(jnp.arange(num_ranks, dtype=jnp.int32)[None, :], send_slot.shape)
-  buf = buf.at[rank, slot].set(bits, mode="drop")
-  return _from_bits(buf, dtype)
+  token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], send_slot.shape)
+  src = jnp.full((num_ranks, num_tokens), num_tokens, jnp.int32).at[rank, slot].set(token, mode="drop")
+  safe = jnp.minimum(src, num_tokens - 1)
+  if per_rank:
+    moved = bits[safe, jnp.arange(num_ranks, dtype=jnp.int32)[:, None]]  # [R, T, *row]
+  else:
+    moved = jnp.take(bits, safe, axis=0)  # [R, T, *row]
+  padding = (src == num_tokens).reshape(src.shape + (1,) * len(row_shape))
+  return _from_bits(jnp.where(padding, fill, moved), dtype)
 
 
 def _sum_from_slots(back: jax.Array, send_slot: jax.Array) -> jax.Array:

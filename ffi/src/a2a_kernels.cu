@@ -282,13 +282,13 @@ __global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(const __grid_c
   const int64_t items = p.num_ranks * p.num_tokens * pieces;
   for (int64_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < items; item += warps) {
     const int64_t o = item / pieces, piece = item - o * pieces;
-    const int64_t begin = piece * kPieceBytes, bytes = min(kPieceBytes, p.x_row - begin);
+    const int64_t at = piece * kPieceBytes, bytes = min(kPieceBytes, p.x_row - at);
     const int64_t s = o / p.num_tokens, j = o - s * p.num_tokens;
     const int64_t n = min(static_cast<int64_t>(counts[s]), p.num_tokens);
     const int64_t w = s * p.capacity + j;
     if (j < n && s == p.me) continue;  // written by the put kernel
     if (j < n) {
-      WarpCopy(p.recv_x + o * p.x_row + begin, region + p.off_x + w * p.x_row + begin, bytes, lane);
+      WarpCopy(p.recv_x + o * p.x_row + at, region + p.off_x + w * p.x_row + at, bytes, lane);
       if (piece != 0) continue;
       WarpCopy(p.recv_sf + o * p.sf_row, region + p.off_sf + w * p.sf_row, p.sf_row, lane);
       WarpCopy(reinterpret_cast<uint8_t*>(p.recv_ids + o * p.top_k), region + p.off_ids + w * p.top_k * 4,
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 2) DispatchRecvKernel(const __grid_c
       WarpCopy(reinterpret_cast<uint8_t*>(p.recv_weights + o * p.top_k), region + p.off_weights + w * p.top_k * 4,
                p.top_k * 4, lane);
     } else {
-      WarpZero(p.recv_x + o * p.x_row + begin, bytes, lane);
+      WarpZero(p.recv_x + o * p.x_row + at, bytes, lane);
       if (piece != 0) continue;
       WarpZero(p.recv_sf + o * p.sf_row, p.sf_row, lane);
       for (int64_t k = lane; k < p.top_k; k += 32) {
