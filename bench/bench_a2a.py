@@ -79,28 +79,33 @@ def _nvlink_pairs(ids, num_ranks, num_experts):
 
 
 def _plot(path):
-  """Per-call time (chain) against tokens per rank, one panel per wire format; writes <path>.png."""
+  """Per-call time against tokens per rank: wall time in a jitted chain (top) and GPU time (bottom), one column per
+  wire format; writes <path>.png."""
   return save_plot(path, _draw)
 
 
 def _draw(plt, rec):
   rows = rec["rows"]
   fmts = sorted({r["fmt"] for r in rows})
-  fig, axes = plt.subplots(1, len(fmts), figsize=(6 * len(fmts), 4.5), squeeze=False)
-  for ax, fmt in zip(axes[0], fmts):
-    for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["fmt"] == fmt}):
-      pts = sorted((r["tokens_per_rank"], r["chain_us"]) for r in rows
-                   if r["fmt"] == fmt and r["op"] == op and r["impl"] == impl)
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} {impl}",
-              linestyle="-" if op == "dispatch" else "--")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("us per call (in a jitted chain)")
-    ax.set_title(f"{fmt}, hidden {rec['hidden']}, top-{rec['top_k']} of {rec['num_experts']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.suptitle(rec["device"], fontsize=9)
+  panels = [("chain_us", "us per call, wall (jitted chain)"), ("gpu_us", "us per call, GPU (profiler)")]
+  fig, axes = plt.subplots(len(panels), len(fmts), figsize=(6 * len(fmts), 4.5 * len(panels)), squeeze=False)
+  for row, (key, label) in enumerate(panels):
+    for ax, fmt in zip(axes[row], fmts):
+      for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["fmt"] == fmt}):
+        pts = sorted((r["tokens_per_rank"], r[key]) for r in rows if r["fmt"] == fmt and r["op"] == op and
+                     r["impl"] == impl and r.get(key) is not None and r[key] > 0)
+        if pts:
+          ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} {impl}",
+                  linestyle="-" if op == "dispatch" else "--")
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("tokens per rank")
+      ax.set_ylabel(label)
+      ax.set_title(f"{fmt}, hidden {rec['hidden']}, top-{rec['top_k']} of {rec['num_experts']}")
+      ax.grid(True, which="both", alpha=0.3)
+      if ax.get_lines():
+        ax.legend(fontsize=7)
+  fig.suptitle(f"{rec['device']}, {rec.get('processes', 1)} process(es)", fontsize=9)
   return fig
 
 
