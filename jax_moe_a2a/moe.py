@@ -399,10 +399,15 @@ def _wire_bwd(st, res, cts):
   # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
   # cotangent of the one rank holding its expert, as the VJP of dispatch does.
   ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
-  payload = jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1)
-  # One exchange for rows and weights, on the reference path: these rows are wider than the workspace's.
-  handle = dataclasses.replace(handle, workspace=None)
-  back = a2a.combine(payload, handle, out_dtype=jnp.float32)
+  reference = dataclasses.replace(handle, workspace=None)
+  ws = handle.workspace
+  if ws is not None and ws.combine_dtype == jnp.float32 and hidden == ws.layout.dispatch.hidden and hidden % 8 == 0:
+    # The rows fit the workspace's float32 combine rows: they go back one-sided; the weights' cotangents (top_k
+    # floats per row) on the reference path. Column for column the same sums as the single payload below.
+    rows = a2a.combine(ct_rows.astype(jnp.float32), handle, out_dtype=jnp.float32)
+    return rows.astype(st.x_dtype), None, a2a.combine(ct_w, reference, out_dtype=jnp.float32)
+  # One exchange for rows and weights, on the reference path.
+  back = a2a.combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
   return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
 
 
@@ -416,8 +421,9 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
 
   The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
   `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
-  received rows and weights go back in one `a2a.combine` over the dispatch's slots, so no quantization error
-  enters the gradient and no dispatch is recomputed.
+  received rows and weights go back by `a2a.combine` over the dispatch's slots (the rows one-sided when the
+  workspace's combine rows are float32 and as wide; else rows and weights in one reference exchange), so no
+  quantization error enters the gradient and no dispatch is recomputed.
 
   Args:
     x: [num_tokens, hidden] floating, this shard's tokens (sharded over axis_name's ranks on tokens).
