@@ -37,8 +37,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_kernels, plot_if_possible, print_kernel_table, save_plot, time_per_call,  # noqa: E402
-                    write_result)
+from common import (device_kernels, plot_if_possible, print_kernel_table, save_plot, span_us,  # noqa: E402
+                    time_per_call, write_result)
 
 from jax_moe_a2a import a2a, layout, quant  # noqa: E402
 
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
         if args.kernels and lead:
           print(f"  kernels of {label} ({args.chain} calls):")
           print_kernel_table(kernels, args.chain)
-        spans = [(max(s + d for _, s, d in ev) - ev[0][1]) / 1e3 / args.chain for ev in kernels.values() if ev]
+        spans = [span_us(ev) / args.chain for ev in kernels.values() if ev]
         return max(spans) if spans else None
 
       chain_in = [tuple(flat_inputs(sets))]

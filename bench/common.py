@@ -126,12 +126,17 @@ def device_kernels(fn: Callable[..., Any], args: tuple, *, runs: int = 2) -> Ker
   return out
 
 
+def span_us(events: list[tuple[str, int, int]]) -> float:
+  """Microseconds from the first kernel's start to the last kernel's end (events sorted by start)."""
+  return (max(s + d for _, s, d in events) - events[0][1]) / 1e3
+
+
 def print_kernel_table(kernels: Kernels, calls: int) -> None:
   """Per device: span from first kernel start to last kernel end, busy time, and each kernel's mean per call."""
   for device, events in kernels.items():
     if not events:
       continue
-    span = (max(s + d for _, s, d in events) - events[0][1]) / 1e3
+    span = span_us(events)
     busy = sum(d for _, _, d in events) / 1e3
     print(f"  {device}: span {span / calls:.1f} us/call, kernels busy {busy / calls:.1f} us/call")
     by_name: dict[str, list[int]] = {}

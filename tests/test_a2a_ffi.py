@@ -50,6 +50,18 @@ def _routing(rng, num_ranks, num_tokens, top_k, num_experts, case):
   return ids, weights
 
 
+def _inputs(mesh, seed, num_tokens, hidden, top_k, num_experts, case, fmt="bf16"):
+  """(x, x_sf, ids, weights) on the mesh: random bf16 rows (fp8_blockwise: quantized, with scales; else x_sf is
+  None) and a routing of `case`, drawn from one seeded generator."""
+  rng = np.random.default_rng(seed)
+  ids, weights = _routing(rng, mesh.shape[AXIS], num_tokens, top_k, num_experts, case)
+  x = jnp.asarray(rng.standard_normal((mesh.shape[AXIS] * num_tokens, hidden)), jnp.bfloat16)
+  x_sf = None
+  if fmt == "fp8_blockwise":
+    x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  return _put(mesh, x, x_sf, ids, weights)
+
+
 def _run(mesh, ws, x, x_sf, ids, weights, num_experts, impl, combine_dtype=jnp.bfloat16):
   spec = P(AXIS)
 
@@ -83,10 +95,7 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
   mesh = _mesh()
   num_ranks = mesh.shape[AXIS]
   num_experts = 4 * num_ranks
-  rng = np.random.default_rng(num_tokens * 31 + top_k)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, case)
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, 96)), jnp.bfloat16)
-  x, ids, weights = _put(mesh, x, ids, weights)
+  x, _, ids, weights = _inputs(mesh, num_tokens * 31 + top_k, num_tokens, 96, top_k, num_experts, case)
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=96, top_k=top_k, timeout_s=20) as ws:
     got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")
     want = _run(mesh, None, x, None, ids, weights, num_experts, "reference")
@@ -99,11 +108,7 @@ def test_fp8_wire_and_a_capacity_larger_than_the_call():
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 10, 256, 4
   num_experts = 2 * num_ranks
-  rng = np.random.default_rng(7)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
-  x_q, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
-  x_q, x_sf, ids, weights = _put(mesh, x_q, x_sf, ids, weights)
+  x_q, x_sf, ids, weights = _inputs(mesh, 7, num_tokens, hidden, top_k, num_experts, "invalid", fmt="fp8_blockwise")
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=16, hidden=hidden, top_k=top_k, fmt="fp8_blockwise",
                      combine_dtype=jnp.float32, timeout_s=20) as ws:
     got = _run(mesh, ws, x_q, x_sf, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
@@ -117,13 +122,7 @@ def test_rows_longer_than_one_copy_piece(fmt, hidden):
   mesh = _mesh()
   num_ranks, num_tokens, top_k = mesh.shape[AXIS], 37, 4
   num_experts = 4 * num_ranks
-  rng = np.random.default_rng(hidden)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
-  x_sf = None
-  if fmt == "fp8_blockwise":
-    x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
-  x, x_sf, ids, weights = _put(mesh, x, x_sf, ids, weights)
+  x, x_sf, ids, weights = _inputs(mesh, hidden, num_tokens, hidden, top_k, num_experts, "invalid", fmt=fmt)
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, fmt=fmt,
                      combine_dtype=jnp.float32, timeout_s=20) as ws:
     got = _run(mesh, ws, x, x_sf, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
@@ -137,10 +136,7 @@ def test_many_back_to_back_calls_stay_exact():
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 4, 32, 2
   num_experts = 2 * num_ranks
-  rng = np.random.default_rng(11)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "random")
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
-  x, ids, weights = _put(mesh, x, ids, weights)
+  x, _, ids, weights = _inputs(mesh, 11, num_tokens, hidden, top_k, num_experts, "random")
   spec = P(AXIS)
 
   def loop(ws, impl, steps):
@@ -166,10 +162,7 @@ def test_gradients_match_the_twin():
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 6, 16, 3
   num_experts = 2 * num_ranks
-  rng = np.random.default_rng(5)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
-  x, ids, weights = _put(mesh, x, ids, weights)
+  x, _, ids, weights = _inputs(mesh, 5, num_tokens, hidden, top_k, num_experts, "invalid")
   spec = P(AXIS)
 
   def loss(ws, impl, x, weights):
@@ -241,10 +234,7 @@ def test_close_waits_for_calls_already_dispatched():
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 9, 64, 2
   num_experts = 2 * num_ranks
-  rng = np.random.default_rng(3)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "random")
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
-  x, ids, weights = _put(mesh, x, ids, weights)
+  x, _, ids, weights = _inputs(mesh, 3, num_tokens, hidden, top_k, num_experts, "random")
   ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, timeout_s=20)
   got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")  # returns before the devices are done
   ws.close()
@@ -314,10 +304,7 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k, calls, runs = mesh.shape[AXIS], 64, 1024, 4, 4, 3
   num_experts = 16 * num_ranks
-  rng = np.random.default_rng(13)
-  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "random")
-  x = jnp.asarray(rng.standard_normal((num_ranks * num_tokens, hidden)), jnp.bfloat16)
-  x, ids, weights = _put(mesh, x, ids, weights)
+  x, _, ids, weights = _inputs(mesh, 13, num_tokens, hidden, top_k, num_experts, "random")
 
   def chain(ws, impl):
     def body(x, ids, weights):
