@@ -678,9 +678,10 @@ class Workspace:
               "workspace": self.id}
     if op == "dispatch":
       common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],
-                    off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"])
+                    off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"],
+                    off_ready=off["buf0.recv_ready"])
     else:
-      common.update(off_combine=off["buf0.combine"])
+      common.update(off_combine=off["buf0.combine"], off_ready=off["buf0.combine_ready"])
     return {k: np.int64(v) for k, v in common.items()}
 
 

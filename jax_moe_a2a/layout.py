@@ -176,6 +176,15 @@ REGION_ALIGNMENT = 128
 # Flags, epochs and arrival counters are 8-byte words; each op has SYNC_WORDS of them in the sync region.
 FLAG_BYTES = 8
 SYNC_WORDS = 4
+# Rows cross NVLink in pieces of PIECE_BYTES; each piece of a receive slot has a READY_BYTES ready word (the GPU
+# kernels' kPieceBytes and Pieces() state the same).
+PIECE_BYTES = 2048
+READY_BYTES = 4
+
+
+def pieces(row_bytes: int) -> int:
+  """Pieces of a row of `row_bytes` bytes (at least one)."""
+  return max(1, -(-row_bytes // PIECE_BYTES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,13 +212,16 @@ class WorkspaceLayout:
   - ``recv_topk_ids`` [num_ranks, capacity, top_k] int32;
   - ``recv_topk_weights`` [num_ranks, capacity, top_k] float32;
   - ``recv_counts``   [num_ranks] int32: tokens received from each source;
-  - ``combine``       [num_ranks, capacity, hidden] combine dtype: expert outputs sent back by each rank.
+  - ``combine``       [num_ranks, capacity, hidden] combine dtype: expert outputs sent back by each rank;
+  - ``recv_ready``    [num_ranks, capacity, pieces(x_bytes_per_token)] uint32: per piece of a received row, the
+    epoch of the dispatch that filled it (written by the source after the piece);
+  - ``combine_ready`` [num_ranks, capacity, pieces(combine bytes per token)] uint32: the same for combine rows.
 
   Shared by all buffers:
 
   - ``flags`` [2, num_ranks] uint64: per-source epoch flags of dispatch and combine, written by the peers;
-  - ``sync``  [2, 4] uint64: per op this rank's completed epoch (advanced by the kernels), two arrival counters
-    of its kernels' blocks, and a spare word (the dispatch's holds the device's sticky error code).
+  - ``sync``  [2, 4] uint64: per op this rank's completed epoch (advanced by the kernel), the arrival counter of
+    its kernel's blocks and two spare words (the dispatch's last holds the device's sticky error code).
 
   Attributes:
     num_ranks, capacity: the sizes the layout was computed for.
@@ -269,6 +281,8 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
       ("recv_topk_weights", slots * d.topk_weights_bytes_per_token),
       ("recv_counts", num_ranks * 4),
       ("combine", slots * hidden * combine_dtype_bytes),
+      ("recv_ready", slots * pieces(d.x_bytes_per_token) * READY_BYTES),
+      ("combine_ready", slots * pieces(hidden * combine_dtype_bytes) * READY_BYTES),
   )
   shared = (
       ("flags", 2 * num_ranks * FLAG_BYTES),

@@ -332,13 +332,51 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
         graph_launches += plane.name.startswith("/host") and event.name.startswith("cuGraphLaunch")
         kernels += plane.name.startswith("/device") and "jax_moe_a2a" in event.name
   assert graph_launches >= runs
-  assert kernels == runs * calls * 4 * num_ranks  # dispatch: put + receive; combine: put + reduce; per device
+  assert kernels == runs * calls * 2 * num_ranks  # a dispatch kernel and a combine kernel per call and device
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
+@pytest.mark.parametrize("combine_dtype", [jnp.bfloat16, jnp.float32])
+def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype):
+  """moe.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
+  gives the twin's cotangents bit for bit, for the same cotangents of every output."""
+  from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
+  mesh = _mesh()
+  num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 16, 256, 3
+  num_experts = 4 * num_ranks
+  rng = np.random.default_rng(5)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
+  x = rng.standard_normal((num_ranks * num_tokens, hidden)).astype(np.float32)
+  ct_rows = rng.standard_normal((num_ranks * num_ranks, num_tokens, hidden)).astype(np.float32)
+  ct_w = rng.standard_normal((num_ranks * num_ranks, num_tokens, top_k)).astype(np.float32)
+  x, ids, weights, ct_rows, ct_w = _put(mesh, x, ids, weights, ct_rows, ct_w)
+
+  def grads(ws):
+    def body(x, ids, weights, ct_rows, ct_w):
+      def f(x, weights):
+        rows, _, recv_w, _, _ = moe.wire_dispatch(x, ids, weights, wire_format=wire, num_experts=num_experts,
+                                                  axis_name=AXIS, dtype=jnp.float32, workspace=ws)
+        return rows, recv_w
+      _, vjp = jax.vjp(f, x, weights)
+      return vjp((ct_rows, ct_w))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS)))(
+        x, ids, weights, ct_rows, ct_w)
+
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, fmt=wire,
+                     combine_dtype=combine_dtype) as ws:
+    got = grads(ws)
+    ws.check()
+  want = grads(None)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
 def test_moe_apply_with_a_workspace_equals_the_twin(wire):
-  """The MoE layer on the one-sided custom calls gives the twin's output and gradients bit for bit (the twin is
-  itself checked against the dense oracle in test_moe.py), with one expert group per data index."""
+  """The MoE layer on the one-sided custom calls gives the twin's output bit for bit (the twin is itself checked
+  against the dense oracle in test_moe.py), with one expert group per data index, and its gradients: bit for bit
+  on CPU; on GPUs within float32 rounding, since XLA compiles the two programs' expert GEMMs and fusions apart
+  (the exchanges themselves are bit-exact: test_wire_dispatch_vjp_with_a_workspace_equals_the_twin)."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
   data = 2 if n >= 4 else 1
@@ -356,4 +394,7 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
   y_ref, _ = moe.moe_apply(params, x, cfg, mesh)
   g_ref = jax.grad(loss)(x, None)
   np.testing.assert_array_equal(_bits(y_ffi), _bits(y_ref))
-  np.testing.assert_array_equal(_bits(g_ffi), _bits(g_ref))
+  if jax.devices()[0].platform == "cpu":
+    np.testing.assert_array_equal(_bits(g_ffi), _bits(g_ref))
+  else:
+    np.testing.assert_allclose(np.asarray(g_ffi), np.asarray(g_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(g_ref))))

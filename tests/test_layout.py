@@ -8,10 +8,11 @@ import re
 import pytest
 
 from jax_moe_a2a import layout
-from jax_moe_a2a.layout import REGION_ALIGNMENT, dispatch_layout, workspace_layout
+from jax_moe_a2a.layout import REGION_ALIGNMENT, dispatch_layout, pieces, workspace_layout
 
 SUPPORTED = ("bf16", "fp8_blockwise", "mxfp8", "nvfp4")
-PER_BUFFER = ("recv_x", "recv_x_sf", "recv_topk_ids", "recv_topk_weights", "recv_counts", "combine")
+PER_BUFFER = ("recv_x", "recv_x_sf", "recv_topk_ids", "recv_topk_weights", "recv_counts", "combine", "recv_ready",
+              "combine_ready")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Constants and helpers
@@ -192,11 +193,12 @@ def test_bad_top_k(top_k):
 
 # num_ranks=2, capacity=3, hidden=256, top_k=2, fp8_blockwise, bf16 combine (6 slots):
 #   recv_x 6*256 = 1536, recv_x_sf 6*8 = 48, recv_topk_ids 6*8 = 48, recv_topk_weights 48, recv_counts 2*4 = 8,
-#   combine 6*256*2 = 3072; flags 2*2*8 = 32; sync 2*4*8 = 64.
+#   combine 6*256*2 = 3072, recv_ready 6*1*4 = 24 (256-byte rows: one piece), combine_ready 6*1*4 = 24;
+#   flags 2*2*8 = 32; sync 2*4*8 = 64.
 # Offsets: each next offset is round_up(previous end, 128):
 #   0 +1536 -> 1536 +48 -> 1584 => 1664 +48 -> 1712 => 1792 +48 -> 1840 => 1920 +8 -> 1928 => 2048
-#   +3072 -> 5120 (buffer stride 5120) ... buf1.combine 7168 +3072 -> 10240; flags 10240 +32 => 10368;
-#   sync 10368 +64 -> 10432 => 10496 = total.
+#   +3072 -> 5120 +24 -> 5144 => 5248 +24 -> 5272 => 5376 (buffer stride 5376) ... buf1.combine 7424 +3072 ->
+#   10496; buf1.recv_ready => 10624 => 10752; flags 10752 +32 => 10880; sync 10880 +64 -> 10944 => 11008 = total.
 FP8_CASE = dict(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise")
 FP8_CASE_REGIONS = [
     ("buf0.recv_x", 0, 1536),
@@ -205,21 +207,25 @@ FP8_CASE_REGIONS = [
     ("buf0.recv_topk_weights", 1792, 48),
     ("buf0.recv_counts", 1920, 8),
     ("buf0.combine", 2048, 3072),
-    ("buf1.recv_x", 5120, 1536),
-    ("buf1.recv_x_sf", 6656, 48),
-    ("buf1.recv_topk_ids", 6784, 48),
-    ("buf1.recv_topk_weights", 6912, 48),
-    ("buf1.recv_counts", 7040, 8),
-    ("buf1.combine", 7168, 3072),
-    ("flags", 10240, 32),
-    ("sync", 10368, 64),
+    ("buf0.recv_ready", 5120, 24),
+    ("buf0.combine_ready", 5248, 24),
+    ("buf1.recv_x", 5376, 1536),
+    ("buf1.recv_x_sf", 6912, 48),
+    ("buf1.recv_topk_ids", 7040, 48),
+    ("buf1.recv_topk_weights", 7168, 48),
+    ("buf1.recv_counts", 7296, 8),
+    ("buf1.combine", 7424, 3072),
+    ("buf1.recv_ready", 10496, 24),
+    ("buf1.combine_ready", 10624, 24),
+    ("flags", 10752, 32),
+    ("sync", 10880, 64),
 ]
 
 
 def test_workspace_hand_computed_fp8():
   ws = workspace_layout(**FP8_CASE)
   assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS
-  assert ws.total_bytes == 10496
+  assert ws.total_bytes == 11008
   assert ws.num_ranks == 2
   assert ws.capacity == 3
   assert ws.num_buffers == 2
@@ -242,8 +248,8 @@ def test_workspace_region_lookup():
   r = ws.region("buf0.combine")
   assert (r.name, r.offset, r.size, r.end) == ("buf0.combine", 2048, 3072, 5120)
   r = ws.region("sync")
-  assert (r.offset, r.size, r.end) == (10368, 64, 10432)
-  assert ws.region("flags").offset == 10240
+  assert (r.offset, r.size, r.end) == (10880, 64, 10944)
+  assert ws.region("flags").offset == 10752
   assert ws.region("buf1.recv_counts").size == 8
 
 
@@ -261,24 +267,24 @@ def test_workspace_buf1_mirrors_buf0_at_constant_stride():
   for name in PER_BUFFER:
     r0, r1 = ws.region(f"buf0.{name}"), ws.region(f"buf1.{name}")
     assert r1.size == r0.size
-    assert r1.offset - r0.offset == 5120
+    assert r1.offset - r0.offset == 5376
 
 
 def test_workspace_three_buffers_constant_stride():
   ws = workspace_layout(**FP8_CASE, num_buffers=3)
   for name in PER_BUFFER:
-    assert [ws.region(f"buf{b}.{name}").offset - ws.region(f"buf0.{name}").offset for b in range(3)] == [0, 5120, 10240]
-  assert ws.region("flags").offset == 15360
-  assert ws.region("sync").offset == 15488
-  assert ws.total_bytes == 15616
+    assert [ws.region(f"buf{b}.{name}").offset - ws.region(f"buf0.{name}").offset for b in range(3)] == [0, 5376, 10752]
+  assert ws.region("flags").offset == 16128
+  assert ws.region("sync").offset == 16256
+  assert ws.total_bytes == 16384
 
 
 def test_workspace_single_buffer():
-  # buf0 as above; flags at 5120 (+32 -> 5152 => 5248); sync at 5248 (+64 -> 5312 => 5376).
+  # buf0 as above; flags at 5376 (+32 -> 5408 => 5504); sync at 5504 (+64 -> 5568 => 5632).
   ws = workspace_layout(**FP8_CASE, num_buffers=1)
-  assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS[:6] + [
-      ("flags", 5120, 32), ("sync", 5248, 64)]
-  assert ws.total_bytes == 5376
+  assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS[:8] + [
+      ("flags", 5376, 32), ("sync", 5504, 64)]
+  assert ws.total_bytes == 5632
   assert ws.num_buffers == 1
   assert not any(r.name.startswith("buf1.") for r in ws.regions)
   with pytest.raises(KeyError, match="no region 'buf1.recv_x'"):
@@ -292,21 +298,32 @@ def test_workspace_combine_dtype_bytes_4_doubles_combine():
   assert ws4.region("buf0.combine").size == 6144
   assert ws4.region("buf1.combine").size == 6144
   assert ws4.combine_bytes_per_token == 1024
-  # combine at 2048 now ends at 8192: buffer stride 8192; buf1.combine 10240 -> 16384; flags 16384 => 16512;
-  # sync 16512 +64 -> 16576 => 16640.
-  assert ws4.region("buf1.recv_x").offset == 8192
-  assert ws4.region("buf1.combine").offset == 10240
-  assert ws4.region("flags").offset == 16384
-  assert ws4.region("sync").offset == 16512
-  assert ws4.total_bytes == 16640
+  # combine at 2048 now ends at 8192; the ready regions follow (1024-byte rows: still one piece): buffer stride
+  # 8448; buf1.combine 10496 -> 16640; buf1 ready regions 16640, 16768; flags 16896; sync 17024 +64 => 17152.
+  assert ws4.region("buf0.combine_ready").size == 24
+  assert ws4.region("buf1.recv_x").offset == 8448
+  assert ws4.region("buf1.combine").offset == 10496
+  assert ws4.region("flags").offset == 16896
+  assert ws4.region("sync").offset == 17024
+  assert ws4.total_bytes == 17152
   # Nothing in front of combine moves.
-  for name in PER_BUFFER[:-1]:
+  for name in PER_BUFFER[:PER_BUFFER.index("combine")]:
     assert ws4.region(f"buf0.{name}") == ws2.region(f"buf0.{name}")
+
+
+def test_workspace_ready_regions_hold_a_word_per_piece():
+  # 7168 FP8 bytes per row = 4 pieces of 2048; bf16 combine rows of 14336 bytes = 7 pieces; float32: 14.
+  case = dict(num_ranks=2, capacity=5, hidden=7168, top_k=8, fmt="fp8_blockwise")
+  assert workspace_layout(**case).region("buf0.recv_ready").size == 2 * 5 * 4 * 4
+  assert workspace_layout(**case).region("buf1.combine_ready").size == 2 * 5 * 7 * 4
+  assert workspace_layout(**case, combine_dtype_bytes=4).region("buf0.combine_ready").size == 2 * 5 * 14 * 4
+  assert [pieces(n) for n in (0, 1, 2048, 2049, 7168)] == [1, 1, 1, 2, 4]
 
 
 def test_workspace_hand_computed_bf16_zero_size_scale_region():
   # bf16: recv_x 6*512 = 3072 at 0; recv_x_sf is empty at 3072 and the next region starts there too;
-  # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +8 => 3456; combine 3456 +3072 -> 6528 (= 51*128).
+  # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +8 => 3456; combine 3456 +3072 -> 6528 (= 51*128);
+  # ready regions 6528 +24 => 6656 +24 => 6784 (the buffer stride); flags 13568; sync 13696 +64 => 13824.
   ws = workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="bf16")
   expected = [
       ("buf0.recv_x", 0, 3072),
@@ -317,10 +334,10 @@ def test_workspace_hand_computed_bf16_zero_size_scale_region():
       ("buf0.combine", 3456, 3072),
   ]
   assert [(r.name, r.offset, r.size) for r in ws.regions[:6]] == expected
-  assert ws.region("buf1.recv_x").offset == 6528
-  assert ws.region("flags").offset == 13056
-  assert ws.region("sync").offset == 13184
-  assert ws.total_bytes == 13312
+  assert ws.region("buf1.recv_x").offset == 6784
+  assert ws.region("flags").offset == 13568
+  assert ws.region("sync").offset == 13696
+  assert ws.total_bytes == 13824
 
 
 def test_workspace_shared_regions_scale_with_ranks():

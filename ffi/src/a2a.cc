@@ -39,7 +39,7 @@ constexpr char kCombineOp[] = "jax_moe_a2a_combine";
 // Shape checks and workspace geometry (shared by both platforms)
 // ---------------------------------------------------------------------------------------------------------------
 
-// The sync region: per op {epoch, put arrivals, receive arrivals, abort word or spare} uint64.
+// The sync region: per op {epoch, block arrivals, spare, abort word or spare} uint64.
 int64_t SyncBytes() { return 2 * kSyncWords * 8; }
 
 int64_t RowBytes(const ffi::AnyBuffer& b, int64_t leading) {
@@ -50,7 +50,7 @@ struct DispatchGeometry {
   int64_t num_ranks, num_tokens, top_k, capacity, num_local_experts;
   int64_t x_row, sf_row;  // bytes
   // Workspace byte offsets of buffer 0; buffer b adds b * buffer_stride.
-  int64_t off_x, off_sf, off_ids, off_weights, off_counts, buffer_stride, off_flags, off_sync;
+  int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
 };
 
 ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
@@ -120,7 +120,7 @@ int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   const int64_t slots = g.num_ranks * g.capacity;
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
-                          g.off_counts + g.num_ranks * 4});
+                          g.off_counts + g.num_ranks * 4, g.off_ready + slots * Pieces(g.x_row) * 4});
   return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
@@ -177,10 +177,10 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
                            int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_flags,
-                           int64_t off_ids, int64_t off_sync, int64_t off_weights, int64_t off_x,
-                           int64_t off_x_sf, int64_t workspace) {
+                           int64_t off_ids, int64_t off_ready, int64_t off_sync, int64_t off_weights,
+                           int64_t off_x, int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     buffer_stride, off_flags, off_sync};
+                     off_ready, buffer_stride, off_flags, off_sync};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/false, &g, &site);
@@ -263,7 +263,7 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
 
 struct CombineGeometry {
   int64_t num_ranks, num_tokens, hidden, capacity, in_bytes, out_bytes;
-  int64_t off_combine, buffer_stride, off_flags, off_sync;
+  int64_t off_combine, off_ready, buffer_stride, off_flags, off_sync;
 };
 
 bool IsCombineFloat(ffi::DataType dt) { return dt == ffi::DataType::BF16 || dt == ffi::DataType::F32; }
@@ -304,7 +304,9 @@ ffi::Error CheckCombine(const ffi::AnyBuffer& expert_out, const ffi::Buffer<ffi:
 }
 
 int64_t CombineNeededBytes(const CombineGeometry& g) {
-  return std::max({g.off_combine + g.num_ranks * g.capacity * g.hidden * g.in_bytes + g.buffer_stride,
+  const int64_t slots = g.num_ranks * g.capacity;
+  return std::max({std::max(g.off_combine + slots * g.hidden * g.in_bytes,
+                            g.off_ready + slots * Pieces(g.hidden * g.in_bytes) * 4) + g.buffer_stride,
                    g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
@@ -358,8 +360,8 @@ inline void StoreFloat(uint8_t* p, int64_t bytes, float f) {
 ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer<ffi::S32> recv_counts,
                           ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride,
                           int64_t capacity, int64_t num_ranks, int64_t off_combine, int64_t off_flags,
-                          int64_t off_sync, int64_t workspace) {
-  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_sync};
+                          int64_t off_ready, int64_t off_sync, int64_t workspace) {
+  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, off_ready, buffer_stride, off_flags, off_sync};
   CallSite site;
   if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, workspace, /*cuda=*/false, &g, &site);
       e.failure())
@@ -444,10 +446,10 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
                             int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_flags,
-                            int64_t off_ids, int64_t off_sync, int64_t off_weights, int64_t off_x,
-                            int64_t off_x_sf, int64_t workspace) {
+                            int64_t off_ids, int64_t off_ready, int64_t off_sync, int64_t off_weights,
+                            int64_t off_x, int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     buffer_stride, off_flags, off_sync};
+                     off_ready, buffer_stride, off_flags, off_sync};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/true, &g, &site);
@@ -480,6 +482,7 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.off_ids = g.off_ids;
   p.off_weights = g.off_weights;
   p.off_counts = g.off_counts;
+  p.off_ready = g.off_ready;
   p.buffer_stride = g.buffer_stride;
   p.off_flags = g.off_flags;
   p.off_sync = g.off_sync;
@@ -494,9 +497,9 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> send_slot,
                            ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride, int64_t capacity,
-                           int64_t num_ranks, int64_t off_combine, int64_t off_flags, int64_t off_sync,
-                           int64_t workspace) {
-  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, buffer_stride, off_flags, off_sync};
+                           int64_t num_ranks, int64_t off_combine, int64_t off_flags, int64_t off_ready,
+                           int64_t off_sync, int64_t workspace) {
+  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, off_ready, buffer_stride, off_flags, off_sync};
   CallSite site;
   if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, workspace, /*cuda=*/true, &g, &site);
       e.failure())
@@ -517,6 +520,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
   p.send_slot = send_slot.typed_data();
   p.out = static_cast<uint8_t*>(out->untyped_data());
   p.off_combine = g.off_combine;
+  p.off_ready = g.off_ready;
   p.buffer_stride = g.buffer_stride;
   p.off_flags = g.off_flags;
   p.off_sync = g.off_sync;
@@ -555,6 +559,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Attr<int64_t>("off_counts")                                        \
       .Attr<int64_t>("off_flags")                                         \
       .Attr<int64_t>("off_ids")                                           \
+      .Attr<int64_t>("off_ready")                                         \
       .Attr<int64_t>("off_sync")                                          \
       .Attr<int64_t>("off_weights")                                       \
       .Attr<int64_t>("off_x")                                             \
@@ -573,6 +578,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Attr<int64_t>("num_ranks")                                          \
       .Attr<int64_t>("off_combine")                                        \
       .Attr<int64_t>("off_flags")                                          \
+      .Attr<int64_t>("off_ready")                                          \
       .Attr<int64_t>("off_sync")                                           \
       .Attr<int64_t>("workspace")
 

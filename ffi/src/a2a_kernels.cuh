@@ -27,8 +27,9 @@ struct DispatchParams {
   float* recv_weights;
   int32_t* recv_counts;
   int32_t* send_slot;
-  int64_t off_x, off_sf, off_ids, off_weights, off_counts, buffer_stride, off_flags, off_sync;
+  int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
   int64_t timeout_ns;
+  int senders;  // blocks [0, senders) of the grid send, the rest receive (set by the launcher)
   uint32_t signature;  // 16 bits: a hash of the call's shapes, equal on every rank of a correct program
   int* error;          // host-mapped error word of this device
 };
@@ -41,13 +42,14 @@ struct CombineParams {
   const int32_t* recv_counts;
   const int32_t* send_slot;
   uint8_t* out;
-  int64_t off_combine, buffer_stride, off_flags, off_sync;
+  int64_t off_combine, off_ready, buffer_stride, off_flags, off_sync;
   int64_t timeout_ns;
+  int senders;  // blocks [0, senders) of the grid send, the rest reduce (set by the launcher)
   uint32_t signature;
   int* error;
 };
 
-cudaError_t LaunchDispatch(cudaStream_t stream, int num_sms, const DispatchParams& p);
-cudaError_t LaunchCombine(cudaStream_t stream, int num_sms, const CombineParams& p);
+cudaError_t LaunchDispatch(cudaStream_t stream, int num_sms, DispatchParams p);
+cudaError_t LaunchCombine(cudaStream_t stream, int num_sms, CombineParams p);
 
 }  // namespace jax_moe_a2a

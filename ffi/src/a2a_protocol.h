@@ -1,17 +1,26 @@
 // a2a_protocol.h -- constants of the one-sided protocol shared by host code and kernels.
 #pragma once
 
+#include <cstdint>
+
 namespace jax_moe_a2a {
 
 // Ranks of one expert group that the GPU kernels' peer table holds.
 constexpr int kMaxRanks = 64;
 
-// Sync region, per op: {epoch, put arrivals, receive arrivals, spare} uint64. Flags: [op][source rank] uint64 =
-// (epoch << 16) | call signature.
+// Sync region, per op: {epoch, arrivals of the kernel's blocks, spare, spare} uint64. Flags: [op][source rank]
+// uint64 = (epoch << 16) | call signature.
 constexpr int kSyncWords = 4;
-// The spare word of the dispatch op holds this device's error code (below) in device memory: waiting threads
+// The last word of the dispatch op holds this device's error code (below) in device memory: waiting threads
 // poll it there, never the host-mapped error word, whose reads cross PCIe and stall every poller behind them.
 constexpr int kSyncAbortWord = 3;
+
+// Rows cross in pieces of kPieceBytes; each piece of a receive slot has a uint32 ready word (the epoch of the
+// call that filled it) in the ready regions. layout.PIECE_BYTES states the same size.
+constexpr int64_t kPieceBytes = 2048;
+constexpr int64_t Pieces(int64_t row_bytes) {
+  return row_bytes <= kPieceBytes ? 1 : (row_bytes + kPieceBytes - 1) / kPieceBytes;
+}
 
 // Error word values written by the kernels (host-mapped, sticky until the workspace is closed).
 constexpr int kErrorTimeoutBase = 1;         // + source rank: that source did not raise its flag in time
