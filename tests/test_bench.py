@@ -29,3 +29,24 @@ def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
       assert {(fmt, "dispatch", impl), (fmt, "combine", impl)} <= got
   assert all(r["chain_us"] is not None and r["gpu_us"] is None for r in rec["rows"])  # no GPU trace on CPU
   assert path.with_suffix(".png").exists()
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
+  sys.path.insert(0, BENCH)
+  try:
+    import bench_gemm  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.remove(BENCH)
+  methods = ["fp8_contiguous", "fp8_masked", "bf16_ragged_dot", "bf16_einsum", "fp8_dequant_bf16"]
+  assert bench_gemm.main(["--groups", "3", "--rows", "130", "--shapes", "256x384", "--methods", *methods,
+                          "--calls", "1", "--max-runs", "2", "--out", str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rec = json.loads(path.read_text())
+  assert {r["method"] for r in rec["rows"]} == set(methods)
+  assert all(r["tflops"] > 0 and (r["groups"], r["rows_per_group"], r["n"], r["k"]) == (3, 130, 256, 384)
+             for r in rec["rows"])
+  (check,) = rec["calc_diff_vs_fp32_dequantized"]
+  assert set(check["calc_diff"]) == {"fp8_contiguous", "fp8_masked"}
+  assert all(0 <= d < 1e-3 for d in check["calc_diff"].values())
+  assert path.with_suffix(".png").exists()
