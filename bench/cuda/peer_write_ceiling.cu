@@ -2,10 +2,10 @@
 // dispatch/combine kernels work against.
 //
 // GPUs 0 and 1 each write 16384 rows of 7168 bytes (an FP8 hidden row) into the other at the same time, with
-// (a) the copy engines (cudaMemcpyPeerAsync), (b) warp-wide 16-byte stores, 2 KiB loaded per lane group before the
-// stores, as the dispatch senders do, (c) TMA bulk stores from shared memory; (b) and (c) also with a system-scope
-// fence and a flag store after each row, as the senders raise their ready words. Prints the median of 10 timed
-// runs (after 2 warm-ups) of the slower GPU, in GB/s per direction.
+// (a) the copy engines (cudaMemcpyPeerAsync), (b) warp-wide 16-byte stores, 4 KiB (two 2 KiB pieces) loaded per
+// warp before they are stored, as the dispatch senders do, (c) TMA bulk stores from shared memory; (b) and (c)
+// also with a system-scope fence and a flag store after each row, as the senders raise their ready words.
+// Prints the median of 10 timed runs (after 2 warm-ups) of the slower GPU, in GB/s per direction.
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 -o peer_write_ceiling bench/cuda/peer_write_ceiling.cu && ./peer_write_ceiling
 #include <cuda_runtime.h>
@@ -23,7 +23,8 @@ __device__ __forceinline__ void StoreRelaxedSys(uint32_t* p, uint32_t v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Warp stores: warp takes rows; loads 2 KiB pieces and stores them. fence: per row fence + flag.
+// Warp stores: each warp takes whole rows, 4 KiB at a time (loads, then stores). kFence: after each row, a
+// system-scope fence and a flag store by lane 0.
 template <bool kFence>
 __global__ void __launch_bounds__(512) WarpStores(const uint8_t* src, uint8_t* dst, uint32_t* flags, int rows, uint32_t e) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
