@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on the simulated CPU devices (tiny sizes), so CI keeps them working."""
 
+import importlib
 import json
 import os
 import sys
@@ -11,13 +12,18 @@ from jax_moe_a2a import _ffi
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
-@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
-def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
+def _import_bench(name):
+  """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
   sys.path.insert(0, BENCH)
   try:
-    import bench_a2a  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(name)
   finally:
     sys.path.remove(BENCH)
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
+  bench_a2a = _import_bench("bench_a2a")
   assert bench_a2a.main(["--tokens", "3", "--formats", "bf16", "fp8_blockwise", "--hidden", "256", "--experts", "16",
                          "--top-k", "2", "--chain", "2", "--runs", "2", "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
@@ -33,11 +39,7 @@ def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
-  sys.path.insert(0, BENCH)
-  try:
-    import bench_gemm  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.remove(BENCH)
+  bench_gemm = _import_bench("bench_gemm")
   methods = ["fp8_contiguous", "fp8_masked", "bf16_ragged_dot", "bf16_einsum", "fp8_dequant_bf16"]
   assert bench_gemm.main(["--groups", "3", "--rows", "130", "--shapes", "256x384", "--methods", *methods,
                           "--calls", "1", "--max-runs", "2", "--out", str(tmp_path)]) == 0
