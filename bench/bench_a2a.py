@@ -13,7 +13,9 @@ size and wire format it times, per call (median of many runs after warm-up, fres
 "chain" times a jit of `--chain` calls on distinct inputs (launch cost amortized); "single" a jit of one call;
 "gpu" is the device time per call in one chain: from a profiler trace, the slowest local GPU's span from its first
 kernel's start to its last kernel's end (waits included, host launch cost not), divided by the calls. Combine
-is timed as dispatch + combine minus dispatch alone, each way.
+is timed as dispatch + combine minus dispatch alone, each way. "kernel" (ffi and all_to_all) is the slowest
+GPU's time per call inside the op's own kernel (the custom call's, or NCCL's), read from the same trace: for
+combine a direct figure, where "gpu" is a difference.
 GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb_per_s) and over the gpu time
 (gpu_gb_per_s): for dispatch, (token, other rank) pairs the routing sends times the wire bytes per token
 (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for combine, the same pairs times 2 * hidden.
@@ -37,8 +39,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_kernels, plot_if_possible, print_kernel_table, save_plot, span_us,  # noqa: E402
-                    time_per_call, write_result)
+from common import (device_kernels, kernel_busy_us, plot_if_possible, print_kernel_table, save_plot,  # noqa: E402
+                    span_us, time_per_call, write_result)
 
 from jax_moe_a2a import a2a, layout, quant  # noqa: E402
 
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
   say(f"{num_ranks} ranks in {jax.process_count()} process(es), hidden {args.hidden}, top-{args.top_k} of "
       f"{args.experts}")
   say(f"{'T/rank':>6} {'fmt':>13} {'op':>8} {'impl':>10} {'chain us':>9} {'single us':>9} {'gpu us':>8} "
-      f"{'GB/s':>7}")
+      f"{'kernel us':>9} {'GB/s':>7}")
   for fmt in args.formats:
     d = layout.dispatch_layout(args.hidden, fmt, top_k=args.top_k)
     for tokens in args.tokens:
@@ -196,23 +198,27 @@ def main(argv=None) -> int:
           out += [x, x_sf if has_sf else jnp.zeros((x.shape[0], 1), jnp.float32), ids, w]
         return out
 
-      def record(op, impl, chain_s, single_s, nbytes, gpu_us=None):
+      def record(op, impl, chain_s, single_s, nbytes, gpu_us=None, kernel_us=None):
         gbps = nbytes / chain_s / 1e9 if chain_s else float("nan")
         rows.append({"tokens_per_rank": tokens, "fmt": fmt, "op": op, "impl": impl, "chain_us": chain_s * 1e6,
-                     "single_us": single_s * 1e6, "gpu_us": gpu_us, "nvlink_bytes_per_gpu": nbytes,
-                     "gb_per_s": gbps, "gpu_gb_per_s": nbytes / gpu_us / 1e3 if gpu_us else None})
+                     "single_us": single_s * 1e6, "gpu_us": gpu_us, "kernel_us": kernel_us,
+                     "nvlink_bytes_per_gpu": nbytes, "gb_per_s": gbps,
+                     "gpu_gb_per_s": nbytes / gpu_us / 1e3 if gpu_us else None})
         gpu = "-" if gpu_us is None else f"{gpu_us:.1f}"
+        kern = "-" if kernel_us is None else f"{kernel_us:.1f}"
         say(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single_s * 1e6:>9.1f} {gpu:>8} "
-            f"{gbps:>7.1f}", flush=True)
+            f"{kern:>9} {gbps:>7.1f}", flush=True)
 
-      def gpu_span_us(fn, fn_args, label):
-        """Per call: the slowest device's span from its first kernel start to its last kernel end, in one chain."""
+      def gpu_span_us(fn, fn_args, label, own_kernel=None):
+        """Per call, in one chain: the slowest device's span from its first kernel start to its last kernel end, and
+        (own_kernel: a part of the op's kernel name) the slowest device's time in that kernel alone."""
         kernels = device_kernels(fn, fn_args)
         if args.kernels and lead:
           print(f"  kernels of {label} ({args.chain} calls):")
           print_kernel_table(kernels, args.chain)
         spans = [span_us(ev) / args.chain for ev in kernels.values() if ev]
-        return max(spans) if spans else None
+        own = kernel_busy_us(kernels, own_kernel, args.chain) if own_kernel else None
+        return (max(spans) if spans else None), own
 
       chain_in = [tuple(flat_inputs(sets))]
       single_in = [tuple(flat_inputs([s])) for s in sets]
@@ -225,14 +231,16 @@ def main(argv=None) -> int:
         d_fn, p_fn = dispatch_fn(impl, args.chain), pair_fn(impl, args.chain)
         t_chain = time_per_call(d_fn, chain_in, calls_per_run=args.chain, runs=args.runs)
         t_single = time_per_call(dispatch_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
-        d_gpu = gpu_span_us(d_fn, chain_in[0], f"dispatch {name}")
-        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu)
+        d_gpu, d_kernel = gpu_span_us(d_fn, chain_in[0], f"dispatch {name}",
+                                      "DispatchKernel" if name == "ffi" else None)
+        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu, d_kernel)
         # Combine = (dispatch + combine) - dispatch, both medians of their own runs.
         p_chain = time_per_call(p_fn, pair_chain_in, calls_per_run=args.chain, runs=args.runs)
         p_single = time_per_call(pair_fn(impl, 1), pair_single_in, calls_per_run=1, runs=args.runs)
-        p_gpu = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}")
+        p_gpu, c_kernel = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}",
+                                      "CombineKernel" if name == "ffi" else None)
         record("combine", name, p_chain["median_s"] - t_chain["median_s"], p_single["median_s"] - t_single["median_s"],
-               comb_bytes, None if d_gpu is None or p_gpu is None else p_gpu - d_gpu)
+               comb_bytes, None if d_gpu is None or p_gpu is None else p_gpu - d_gpu, c_kernel)
 
       # Bare collectives carrying the same wire bytes.
       row_bytes = d.bytes_per_token
@@ -246,13 +254,13 @@ def main(argv=None) -> int:
         t_chain = time_per_call(a2a_fn(args.chain), [tuple(lossless)], calls_per_run=args.chain, runs=args.runs)
         t_single = time_per_call(a2a_fn(1), [(b,) for b in lossless], calls_per_run=1, runs=args.runs)
         record("dispatch", "all_to_all", t_chain["median_s"], t_single["median_s"], disp_bytes,
-               gpu_span_us(a2a_fn(args.chain), tuple(lossless), "all_to_all (dispatch bytes)"))
+               *gpu_span_us(a2a_fn(args.chain), tuple(lossless), "all_to_all (dispatch bytes)", "nccl"))
         combine_buf = [_global(mesh, np.zeros((num_ranks * num_ranks, tokens, args.hidden), jnp.bfloat16))
                        for _ in range(args.chain)]
         t_chain = time_per_call(a2a_fn(args.chain), [tuple(combine_buf)], calls_per_run=args.chain, runs=args.runs)
         t_single = time_per_call(a2a_fn(1), [(b,) for b in combine_buf], calls_per_run=1, runs=args.runs)
         record("combine", "all_to_all", t_chain["median_s"], t_single["median_s"], comb_bytes,
-               gpu_span_us(a2a_fn(args.chain), tuple(combine_buf), "all_to_all (combine bytes)"))
+               *gpu_span_us(a2a_fn(args.chain), tuple(combine_buf), "all_to_all (combine bytes)", "nccl"))
         del combine_buf
 
       if "ragged" in args.impls and jax.default_backend() == "gpu":

@@ -131,6 +131,13 @@ def span_us(events: list[tuple[str, int, int]]) -> float:
   return (max(s + d for _, s, d in events) - events[0][1]) / 1e3
 
 
+def kernel_busy_us(kernels: Kernels, name_part: str, calls: int) -> float | None:
+  """Per call: the slowest device's total duration of the kernels whose name contains `name_part` (None: none)."""
+  busy = [sum(d for n, _, d in events if name_part in n) for events in kernels.values()]
+  busy = [b for b in busy if b > 0]
+  return max(busy) / 1e3 / calls if busy else None
+
+
 def print_kernel_table(kernels: Kernels, calls: int) -> None:
   """Per device: span from first kernel start to last kernel end, busy time, and each kernel's mean per call."""
   for device, events in kernels.items():

@@ -52,3 +52,17 @@ def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
   assert set(check["calc_diff"]) == {"fp8_contiguous", "fp8_masked"}
   assert all(0 <= d < 1e-3 for d in check["calc_diff"].values())
   assert path.with_suffix(".png").exists()
+
+
+def test_kernel_busy_us_is_the_slowest_devices_time_in_the_named_kernels_per_call():
+  common = _import_bench("common")
+  kernels = {
+      "/device:GPU:0": [("DispatchKernel(a)", 0, 10_000), ("CombineKernel<bf16>", 10_000, 30_000),
+                        ("DispatchKernel(a)", 40_000, 12_000), ("CombineKernel<bf16>", 52_000, 34_000)],
+      "/device:GPU:1": [("DispatchKernel(a)", 0, 9_000), ("CombineKernel<bf16>", 9_000, 40_000),
+                        ("DispatchKernel(a)", 49_000, 9_000), ("CombineKernel<bf16>", 58_000, 40_000)],
+      "/device:GPU:2": [],
+  }
+  assert common.kernel_busy_us(kernels, "CombineKernel", calls=2) == 40.0  # GPU 1: 80 us over 2 calls
+  assert common.kernel_busy_us(kernels, "DispatchKernel", calls=2) == 11.0  # GPU 0: 22 us over 2 calls
+  assert common.kernel_busy_us(kernels, "nccl", calls=2) is None
