@@ -115,15 +115,14 @@ def _check(g, rows, n, k, wts, act, sizes):
   """calc_diff of both FP8 layouts against an FP32 GEMM of the dequantized operands, on three groups (the first,
   middle and last): only those groups' operands are dequantized and copied to the host."""
   from jax_moe_a2a.demo import calc_diff  # pylint: disable=import-outside-toplevel
-  picks = sorted({0, g // 2, g - 1})
-  a = act["a"].reshape(g, rows, k)[jnp.array(picks)].reshape(-1, k)
-  a_sf = act["a_sf"].reshape(g, rows, k // 128)[jnp.array(picks)].reshape(-1, k // 128)
+  picks = jnp.array(sorted({0, g // 2, g - 1}))
+  a = act["a"].reshape(g, rows, k)[picks].reshape(-1, k)
+  a_sf = act["a_sf"].reshape(g, rows, k // 128)[picks].reshape(-1, k // 128)
   x = np.asarray(quant.dequantize_fp8_blockwise(a, a_sf)).reshape(len(picks), rows, k)
-  w = np.asarray(quant.dequantize_fp8_weight(wts["b"][jnp.array(picks)], wts["b_sf"][jnp.array(picks)]))
+  w = np.asarray(quant.dequantize_fp8_weight(wts["b"][picks], wts["b_sf"][picks]))
   out = {}
   for method in ("fp8_contiguous", "fp8_masked"):
-    y = _one(method, g, rows, n, k, wts, act, sizes).reshape(g, rows, n)
-    y = np.asarray(y[jnp.array(picks)].astype(jnp.float32))
+    y = np.asarray(_one(method, g, rows, n, k, wts, act, sizes).reshape(g, rows, n)[picks].astype(jnp.float32))
     out[method] = max(calc_diff(y[i], x[i] @ w[i].T) for i in range(len(picks)))
   return out
 
