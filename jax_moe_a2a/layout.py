@@ -177,7 +177,7 @@ REGION_ALIGNMENT = 128
 FLAG_BYTES = 8
 SYNC_WORDS = 4
 # Rows cross NVLink in pieces of PIECE_BYTES; each piece of a receive slot has a READY_BYTES ready word (the GPU
-# kernels' kPieceBytes and Pieces() state the same).
+# kernels' kPieceBytes and Pieces() state the same; tests/test_layout.py checks the two against each other).
 PIECE_BYTES = 2048
 READY_BYTES = 4
 

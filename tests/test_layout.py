@@ -320,6 +320,13 @@ def test_workspace_ready_regions_hold_a_word_per_piece():
   assert [pieces(n) for n in (0, 1, 2048, 2049, 7168)] == [1, 1, 1, 2, 4]
 
 
+def test_piece_size_is_the_one_the_kernels_use():
+  from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
+  if not _ffi.available():
+    pytest.skip("compiled extension not built")
+  assert _ffi.extension().piece_bytes == layout.PIECE_BYTES
+
+
 def test_workspace_hand_computed_bf16_zero_size_scale_region():
   # bf16: recv_x 6*512 = 3072 at 0; recv_x_sf is empty at 3072 and the next region starts there too;
   # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +8 => 3456; combine 3456 +3072 -> 6528 (= 51*128);

@@ -16,7 +16,8 @@ constexpr int kSyncWords = 4;
 constexpr int kSyncAbortWord = 3;
 
 // Rows cross in pieces of kPieceBytes; each piece of a receive slot has a uint32 ready word (the epoch of the
-// call that filled it) in the ready regions. layout.PIECE_BYTES states the same size.
+// call that filled it) in the ready regions. layout.PIECE_BYTES states the same size (tests/test_layout.py checks
+// the two against each other through the extension's `piece_bytes`).
 constexpr int64_t kPieceBytes = 2048;
 constexpr int64_t Pieces(int64_t row_bytes) {
   return row_bytes <= kPieceBytes ? 1 : (row_bytes + kPieceBytes - 1) / kPieceBytes;

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "a2a_protocol.h"
 #include "common.h"
 #include "workspace.h"
 #include "xla/ffi/api/c_api.h"
@@ -169,4 +170,6 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8 call with `num_groups` groups on any visible GPU "
         "(0 without a GPU or without the CUDA handlers).");
   m.attr("ffi_api_version") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  // The protocol's piece size, for the test that layout.PIECE_BYTES sizes the ready regions with the same value.
+  m.attr("piece_bytes") = jax_moe_a2a::kPieceBytes;
 }
