@@ -165,20 +165,21 @@ def main(argv=None) -> int:
     print("wrote", _plot(args.plot))
     return 0
 
-  results, checks = [], []
+  results, checks, failed = [], [], []
   # A timeout (SIGTERM) still writes what was measured.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
   try:
-    _run(args, results, checks)
+    _run(args, results, checks, failed)
   finally:
     path = write_result("gemm", {"unit": "TFLOP/s = 2 * real rows * N * K / median time per call", "rows": results,
-                                 "calc_diff_vs_fp32_dequantized": checks}, args.out)
+                                 "failed": failed, "calc_diff_vs_fp32_dequantized": checks}, args.out)
     print("wrote", path)
-  plot_if_possible(path, _plot)
+  if results:  # nothing to draw where every method failed
+    plot_if_possible(path, _plot)
   return 0
 
 
-def _run(args, results, checks):
+def _run(args, results, checks, failed):
   print(f"{'N':>5} {'K':>5} {'G':>3} {'rows':>5} {'method':>17} {'us':>9} {'TFLOP/s':>8} {'first s':>8}")
   for shape in args.shapes:
     n, k = (int(v) for v in shape.split("x"))
@@ -197,6 +198,8 @@ def _run(args, results, checks):
               t = _time(method, g, rows, n, k, sets, sizes, args.calls, args.max_runs, cfg)
             except Exception as e:  # pylint: disable=broad-except  (a baseline that does not run here)
               print(f"{n:>5} {k:>5} {g:>3} {rows:>5} {method:>17} failed: {type(e).__name__}: {str(e)[:120]}")
+              failed.append({"n": n, "k": k, "groups": g, "rows_per_group": rows, "method": method,
+                             "error": f"{type(e).__name__}: {str(e)[:300]}"})
               continue
             if best is None or t["median_s"] < best[0]["median_s"]:
               best = (t, cfg)

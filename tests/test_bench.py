@@ -46,6 +46,7 @@ def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rec = json.loads(path.read_text())
   assert {r["method"] for r in rec["rows"]} == set(methods)
+  assert rec["failed"] == []
   assert all(r["tflops"] > 0 and (r["groups"], r["rows_per_group"], r["n"], r["k"]) == (3, 130, 256, 384)
              for r in rec["rows"])
   (check,) = rec["calc_diff_vs_fp32_dequantized"]

@@ -1,0 +1,340 @@
+// a2a_latency.cu -- per-call time of the one-sided dispatch and combine kernels alone, without XLA, next to the
+// floors any such kernel stands on: an empty launch, and a launch that does one cross-GPU flag handshake.
+//
+// Every visible GPU (all must reach each other through peer access) is one rank. Each GPU's stream replays a CUDA
+// graph of kCalls back-to-back launches of one kernel (launch cost as in an XLA command buffer); the graphs of all
+// GPUs start together, and a call takes the slower GPU's graph time / kCalls. Median of kRuns runs after warm-up.
+// DeepSeek-V3 shapes: hidden 7168, FP8 wire (7168 bytes + 56 float32 scales per row), top-8 of 256 experts, random
+// routing, bf16 combine; tokens per rank from the command line (default 1 8 128 512 4096). Prints one JSON object:
+// device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu, gb_per_s}.
+//
+//   nvcc -arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi/src -o a2a_latency \
+//        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu && ./a2a_latency [tokens ...]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "a2a_kernels.cuh"
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t err_ = (x);                                                                \
+    if (err_ != cudaSuccess) {                                                             \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));             \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+using jax_moe_a2a::CombineParams;
+using jax_moe_a2a::DispatchParams;
+using jax_moe_a2a::kSyncWords;
+using jax_moe_a2a::Pieces;
+
+namespace {
+
+constexpr int kHidden = 7168, kTopK = 8, kExperts = 256;
+constexpr int64_t kXRow = kHidden, kSfRow = kHidden / 128 * 4, kCombineRow = kHidden * 2;
+constexpr int kCalls = 200, kRuns = 20, kWarmup = 3;
+
+int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
+
+// Byte offsets in each rank's block: two buffers of {dispatch regions, combine regions}, then flags and epochs.
+struct Layout {
+  int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, off_combine, off_combine_ready, stride;
+  int64_t off_flags, off_sync, total;
+  Layout(int ranks, int64_t capacity) {
+    const int64_t slots = ranks * capacity;
+    int64_t at = 0;
+    auto take = [&](int64_t bytes) { const int64_t o = at; at = Align(at + bytes); return o; };
+    off_x = take(slots * kXRow);
+    off_sf = take(slots * kSfRow);
+    off_ids = take(slots * kTopK * 4);
+    off_weights = take(slots * kTopK * 4);
+    off_counts = take(ranks * 4);
+    off_ready = take(slots * Pieces(kXRow) * 4);
+    off_combine = take(slots * kCombineRow);
+    off_combine_ready = take(slots * Pieces(kCombineRow) * 4);
+    stride = at;
+    at = 2 * stride;
+    off_flags = take(2 * ranks * 8);
+    off_sync = take(2 * kSyncWords * 8);
+    total = at;
+  }
+};
+
+__global__ void Empty() {}
+
+// One cross-GPU handshake: thread 0 raises this call's epoch in every peer's word for this rank, then waits until
+// every peer has raised its own here. epoch[0] counts the calls on this GPU; words[r] is this GPU's word of rank r.
+__global__ void Handshake(uint64_t* epoch, jax_moe_a2a::PeerBases words, int me, int ranks) {
+  if (threadIdx.x != 0) return;
+  const uint64_t e = epoch[0] + 1;
+  epoch[0] = e;
+  for (int r = 0; r < ranks; ++r) {
+    if (r == me) continue;
+    auto* f = reinterpret_cast<uint64_t*>(words.base[r]) + me;
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(f), "l"(e) : "memory");
+  }
+  const auto* mine = reinterpret_cast<const uint64_t*>(words.base[me]);
+  for (int r = 0; r < ranks; ++r) {
+    if (r == me) continue;
+    uint64_t v;
+    do {
+      asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(mine + r) : "memory");
+    } while (v < e);
+  }
+}
+
+struct Rank {
+  cudaStream_t stream;
+  int num_sms;
+  uint8_t* block;
+  uint8_t *x, *x_sf, *recv_x, *recv_sf, *expert_out, *out;
+  int32_t *ids, *recv_ids, *recv_counts, *send_slot;
+  float *weights, *recv_weights;
+  uint64_t* epoch;
+  int* error;
+  cudaGraphExec_t graph = nullptr;
+  cudaEvent_t start, stop;
+};
+
+// Per call, in microseconds: the median over runs of the slower GPU's graph time / kCalls. `launch(g)` enqueues one
+// call on GPU g's stream.
+template <typename Launch>
+double TimeCalls(std::vector<Rank>& ranks, Launch launch) {
+  for (size_t g = 0; g < ranks.size(); ++g) {
+    CK(cudaSetDevice(g));
+    cudaGraph_t graph;
+    CK(cudaStreamBeginCapture(ranks[g].stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < kCalls; ++i) launch(static_cast<int>(g));
+    CK(cudaStreamEndCapture(ranks[g].stream, &graph));
+    if (ranks[g].graph) CK(cudaGraphExecDestroy(ranks[g].graph));
+    CK(cudaGraphInstantiate(&ranks[g].graph, graph, 0));
+    CK(cudaGraphDestroy(graph));
+  }
+  std::vector<double> per_call;
+  for (int run = 0; run < kWarmup + kRuns; ++run) {
+    for (size_t g = 0; g < ranks.size(); ++g) {
+      CK(cudaSetDevice(g));
+      CK(cudaEventRecord(ranks[g].start, ranks[g].stream));
+      CK(cudaGraphLaunch(ranks[g].graph, ranks[g].stream));
+      CK(cudaEventRecord(ranks[g].stop, ranks[g].stream));
+    }
+    float slowest = 0;
+    for (size_t g = 0; g < ranks.size(); ++g) {
+      CK(cudaSetDevice(g));
+      CK(cudaEventSynchronize(ranks[g].stop));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, ranks[g].start, ranks[g].stop));
+      slowest = std::max(slowest, ms);
+      if (*ranks[g].error != 0) {
+        std::printf("GPU %zu: kernel error word %d\n", g, *ranks[g].error);
+        std::exit(1);
+      }
+    }
+    if (run >= kWarmup) per_call.push_back(slowest * 1e3 / kCalls);
+  }
+  std::sort(per_call.begin(), per_call.end());
+  return per_call[per_call.size() / 2];
+}
+
+template <typename T>
+T* Alloc(int64_t count) {
+  T* p;
+  CK(cudaMalloc(&p, std::max<int64_t>(1, count) * sizeof(T)));
+  CK(cudaMemset(p, 0, std::max<int64_t>(1, count) * sizeof(T)));
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> sizes;
+  for (int i = 1; i < argc; ++i) sizes.push_back(std::atoll(argv[i]));
+  if (sizes.empty()) sizes = {1, 8, 128, 512, 4096};
+  int n;
+  CK(cudaGetDeviceCount(&n));
+  if (n < 2) {
+    std::printf("needs at least 2 GPUs, found %d\n", n);
+    return 1;
+  }
+  for (int a = 0; a < n; ++a) {
+    CK(cudaSetDevice(a));
+    for (int b = 0; b < n; ++b) {
+      if (a == b) continue;
+      int ok;
+      CK(cudaDeviceCanAccessPeer(&ok, a, b));
+      if (!ok) {
+        std::printf("GPU %d cannot reach GPU %d\n", a, b);
+        return 1;
+      }
+      CK(cudaDeviceEnablePeerAccess(b, 0));
+    }
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("{\"device\": \"%dx %s\", \"calls_per_graph\": %d, \"runs\": %d, \"rows\": [\n", n, prop.name, kCalls,
+              kRuns);
+
+  const int64_t max_tokens = *std::max_element(sizes.begin(), sizes.end());
+  const Layout lay(n, max_tokens);
+  std::vector<Rank> ranks(n);
+  jax_moe_a2a::PeerBases peers{}, handshake_words{};
+  std::mt19937 rng(1234);
+  for (int g = 0; g < n; ++g) {
+    Rank& r = ranks[g];
+    CK(cudaSetDevice(g));
+    CK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
+    CK(cudaDeviceGetAttribute(&r.num_sms, cudaDevAttrMultiProcessorCount, g));
+    r.block = Alloc<uint8_t>(lay.total);
+    peers.base[g] = r.block;
+    r.epoch = Alloc<uint64_t>(1);
+    handshake_words.base[g] = reinterpret_cast<uint8_t*>(Alloc<uint64_t>(n));
+    int* host_error;
+    CK(cudaHostAlloc(&host_error, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+    *host_error = 0;
+    r.error = host_error;
+    CK(cudaEventCreate(&r.start));
+    CK(cudaEventCreate(&r.stop));
+  }
+
+  bool first = true;
+  auto row = [&](const char* what, int64_t tokens, double us, double bytes) {
+    std::printf("%s {\"op\": \"%s\", \"tokens_per_rank\": %lld, \"us_per_call\": %.2f, \"nvlink_bytes_per_gpu\": %.0f, "
+                "\"gb_per_s\": %.1f}\n",
+                first ? " " : ",", what, static_cast<long long>(tokens), us, bytes, bytes > 0 ? bytes / us / 1e3 : 0.0);
+    std::fflush(stdout);
+    first = false;
+  };
+
+  row("empty kernel, 1 block", 0, TimeCalls(ranks, [&](int g) { Empty<<<1, 32, 0, ranks[g].stream>>>(); }), 0);
+  row("empty kernel, 1 block of 512 per SM", 0, TimeCalls(ranks, [&](int g) {
+        Empty<<<ranks[g].num_sms, 512, 0, ranks[g].stream>>>();
+      }), 0);
+  row("handshake kernel", 0, TimeCalls(ranks, [&](int g) {
+        Handshake<<<1, 32, 0, ranks[g].stream>>>(ranks[g].epoch, handshake_words, g, n);
+      }), 0);
+
+  for (int64_t tokens : sizes) {
+    // Fresh inputs per size: random bytes for x and scales, top-8 distinct experts per token.
+    double routed = 0;  // (token, other rank) pairs, over all GPUs
+    for (int g = 0; g < n; ++g) {
+      Rank& r = ranks[g];
+      CK(cudaSetDevice(g));
+      for (uint8_t** p : {&r.x, &r.x_sf, &r.recv_x, &r.recv_sf, &r.expert_out, &r.out}) {
+        if (*p) CK(cudaFree(*p));
+      }
+      for (int32_t** p : {&r.ids, &r.recv_ids, &r.recv_counts, &r.send_slot}) {
+        if (*p) CK(cudaFree(*p));
+      }
+      for (float** p : {&r.weights, &r.recv_weights}) {
+        if (*p) CK(cudaFree(*p));
+      }
+      r.x = Alloc<uint8_t>(tokens * kXRow);
+      r.x_sf = Alloc<uint8_t>(tokens * kSfRow);
+      r.ids = Alloc<int32_t>(tokens * kTopK);
+      r.weights = Alloc<float>(tokens * kTopK);
+      r.recv_x = Alloc<uint8_t>(n * tokens * kXRow);
+      r.recv_sf = Alloc<uint8_t>(n * tokens * kSfRow);
+      r.recv_ids = Alloc<int32_t>(n * tokens * kTopK);
+      r.recv_weights = Alloc<float>(n * tokens * kTopK);
+      r.recv_counts = Alloc<int32_t>(n);
+      r.send_slot = Alloc<int32_t>(tokens * n);
+      r.expert_out = Alloc<uint8_t>(n * tokens * kCombineRow);
+      r.out = Alloc<uint8_t>(tokens * kCombineRow);
+      std::vector<uint8_t> bytes(tokens * kXRow);
+      for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+      CK(cudaMemcpy(r.x, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+      std::vector<int32_t> ids(tokens * kTopK);
+      std::vector<float> weights(tokens * kTopK, 0.125f);
+      std::vector<int> experts(kExperts);
+      for (int e = 0; e < kExperts; ++e) experts[e] = e;
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::shuffle(experts.begin(), experts.end(), rng);
+        std::vector<bool> to(n, false);
+        for (int k = 0; k < kTopK; ++k) {
+          ids[t * kTopK + k] = experts[k];
+          to[experts[k] / (kExperts / n)] = true;
+        }
+        for (int d = 0; d < n; ++d) routed += d != g && to[d];
+      }
+      CK(cudaMemcpy(r.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(r.weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+    }
+    auto dispatch = [&](int g) {
+      Rank& r = ranks[g];
+      DispatchParams p{};
+      p.peers = peers;
+      p.me = g;
+      p.num_ranks = n;
+      p.capacity = max_tokens;
+      p.num_tokens = tokens;
+      p.top_k = kTopK;
+      p.num_experts = kExperts;
+      p.x_row = kXRow;
+      p.sf_row = kSfRow;
+      p.x = r.x;
+      p.x_sf = r.x_sf;
+      p.ids = r.ids;
+      p.weights = r.weights;
+      p.recv_x = r.recv_x;
+      p.recv_sf = r.recv_sf;
+      p.recv_ids = r.recv_ids;
+      p.recv_weights = r.recv_weights;
+      p.recv_counts = r.recv_counts;
+      p.send_slot = r.send_slot;
+      p.off_x = lay.off_x;
+      p.off_sf = lay.off_sf;
+      p.off_ids = lay.off_ids;
+      p.off_weights = lay.off_weights;
+      p.off_counts = lay.off_counts;
+      p.off_ready = lay.off_ready;
+      p.buffer_stride = lay.stride;
+      p.off_flags = lay.off_flags;
+      p.off_sync = lay.off_sync;
+      p.timeout_ns = 5'000'000'000;
+      p.signature = 1;
+      int* dev_error;
+      CK(cudaHostGetDevicePointer(&dev_error, r.error, 0));
+      p.error = dev_error;
+      CK(jax_moe_a2a::LaunchDispatch(r.stream, r.num_sms, p));
+    };
+    auto combine = [&](int g) {
+      Rank& r = ranks[g];
+      CombineParams p{};
+      p.peers = peers;
+      p.me = g;
+      p.num_ranks = n;
+      p.capacity = max_tokens;
+      p.num_tokens = tokens;
+      p.hidden = kHidden;
+      p.in_bytes = 2;
+      p.out_bytes = 2;
+      p.expert_out = r.expert_out;
+      p.recv_counts = r.recv_counts;
+      p.send_slot = r.send_slot;
+      p.out = r.out;
+      p.off_combine = lay.off_combine;
+      p.off_ready = lay.off_combine_ready;
+      p.buffer_stride = lay.stride;
+      p.off_flags = lay.off_flags;
+      p.off_sync = lay.off_sync;
+      p.timeout_ns = 5'000'000'000;
+      p.signature = 2;
+      int* dev_error;
+      CK(cudaHostGetDevicePointer(&dev_error, r.error, 0));
+      p.error = dev_error;
+      CK(jax_moe_a2a::LaunchCombine(r.stream, r.num_sms, p));
+    };
+    const double per_gpu = routed / n;
+    row("dispatch", tokens, TimeCalls(ranks, dispatch), per_gpu * (kXRow + kSfRow + kTopK * 8));
+    row("combine", tokens, TimeCalls(ranks, combine), per_gpu * kCombineRow);
+  }
+  std::printf("]}\n");
+  return 0;
+}
