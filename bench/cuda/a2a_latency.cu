@@ -143,6 +143,22 @@ double TimeCalls(std::vector<Rank>& ranks, Launch launch) {
   return per_call[per_call.size() / 2];
 }
 
+// The fields that DispatchParams and CombineParams share: who is where, the call's size, flags and epochs.
+template <typename Params>
+void SetShared(Params& p, const jax_moe_a2a::PeerBases& peers, int me, int ranks, int64_t capacity, int64_t tokens,
+               const Layout& lay, const Rank& r) {
+  p.peers = peers;
+  p.me = me;
+  p.num_ranks = ranks;
+  p.capacity = capacity;
+  p.num_tokens = tokens;
+  p.buffer_stride = lay.stride;
+  p.off_flags = lay.off_flags;
+  p.off_sync = lay.off_sync;
+  p.timeout_ns = 5'000'000'000;
+  CK(cudaHostGetDevicePointer(&p.error, r.error, 0));
+}
+
 template <typename T>
 T* Alloc(int64_t count) {
   T* p;
@@ -269,11 +285,7 @@ int main(int argc, char** argv) {
     auto dispatch = [&](int g) {
       Rank& r = ranks[g];
       DispatchParams p{};
-      p.peers = peers;
-      p.me = g;
-      p.num_ranks = n;
-      p.capacity = max_tokens;
-      p.num_tokens = tokens;
+      SetShared(p, peers, g, n, max_tokens, tokens, lay, r);
       p.top_k = kTopK;
       p.num_experts = kExperts;
       p.x_row = kXRow;
@@ -294,24 +306,13 @@ int main(int argc, char** argv) {
       p.off_weights = lay.off_weights;
       p.off_counts = lay.off_counts;
       p.off_ready = lay.off_ready;
-      p.buffer_stride = lay.stride;
-      p.off_flags = lay.off_flags;
-      p.off_sync = lay.off_sync;
-      p.timeout_ns = 5'000'000'000;
       p.signature = 1;
-      int* dev_error;
-      CK(cudaHostGetDevicePointer(&dev_error, r.error, 0));
-      p.error = dev_error;
       CK(jax_moe_a2a::LaunchDispatch(r.stream, r.num_sms, p));
     };
     auto combine = [&](int g) {
       Rank& r = ranks[g];
       CombineParams p{};
-      p.peers = peers;
-      p.me = g;
-      p.num_ranks = n;
-      p.capacity = max_tokens;
-      p.num_tokens = tokens;
+      SetShared(p, peers, g, n, max_tokens, tokens, lay, r);
       p.hidden = kHidden;
       p.in_bytes = 2;
       p.out_bytes = 2;
@@ -321,14 +322,7 @@ int main(int argc, char** argv) {
       p.out = r.out;
       p.off_combine = lay.off_combine;
       p.off_ready = lay.off_combine_ready;
-      p.buffer_stride = lay.stride;
-      p.off_flags = lay.off_flags;
-      p.off_sync = lay.off_sync;
-      p.timeout_ns = 5'000'000'000;
       p.signature = 2;
-      int* dev_error;
-      CK(cudaHostGetDevicePointer(&dev_error, r.error, 0));
-      p.error = dev_error;
       CK(jax_moe_a2a::LaunchCombine(r.stream, r.num_sms, p));
     };
     const double per_gpu = routed / n;
