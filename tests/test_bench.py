@@ -55,6 +55,24 @@ def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
   assert path.with_suffix(".png").exists()
 
 
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_bench_gemm_records_a_method_that_fails_and_draws_no_empty_plot(tmp_path, monkeypatch):
+  bench_gemm = _import_bench("bench_gemm")
+
+  def fail(method, *args, **kwargs):
+    raise RuntimeError(f"{method}: out of memory")
+
+  monkeypatch.setattr(bench_gemm, "_time", fail)
+  assert bench_gemm.main(["--groups", "2", "--rows", "130", "--shapes", "256x384", "--methods", "bf16_einsum",
+                          "--calls", "1", "--max-runs", "2", "--out", str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rec = json.loads(path.read_text())
+  assert rec["rows"] == []
+  assert rec["failed"] == [{"n": 256, "k": 384, "groups": 2, "rows_per_group": 130, "method": "bf16_einsum",
+                            "error": "RuntimeError: bf16_einsum: out of memory"}]
+  assert not path.with_suffix(".png").exists()
+
+
 def test_kernel_busy_us_is_the_slowest_devices_time_in_the_named_kernels_per_call():
   common = _import_bench("common")
   kernels = {
