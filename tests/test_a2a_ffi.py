@@ -104,9 +104,12 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
       assert int(np.asarray(got[4]).reshape(num_ranks, num_ranks)[0].sum()) == 0  # rank 0 received nothing
 
 
-def test_fp8_wire_and_a_capacity_larger_than_the_call():
+# Scale rows of 8 bytes (hidden 256), 16 (512) and 224 (7168, DeepSeek-V3): on GPUs the senders move rows that are
+# whole 16-byte vectors in the warp's lanes, loaded with the token's first piece, and the others with a copy.
+@pytest.mark.parametrize("hidden", [256, 512, 7168])
+def test_fp8_wire_and_a_capacity_larger_than_the_call(hidden):
   mesh = _mesh()
-  num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 10, 256, 4
+  num_ranks, num_tokens, top_k = mesh.shape[AXIS], 10, 4
   num_experts = 2 * num_ranks
   x_q, x_sf, ids, weights = _inputs(mesh, 7, num_tokens, hidden, top_k, num_experts, "invalid", fmt="fp8_blockwise")
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=16, hidden=hidden, top_k=top_k, fmt="fp8_blockwise",
