@@ -5,18 +5,24 @@
 // graph of kCalls back-to-back launches of one kernel (launch cost as in an XLA command buffer); the graphs of all
 // GPUs start together, and a call takes the slower GPU's graph time / kCalls. Median of kRuns runs after warm-up.
 // DeepSeek-V3 shapes: hidden 7168, FP8 wire (7168 bytes + 56 float32 scales per row), top-8 of 256 experts, random
-// routing, bf16 combine; tokens per rank from the command line (default 1 8 128 512 4096). Prints one JSON object:
-// device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu, gb_per_s}.
+// routing, bf16 combine; tokens per rank from the command line (default 1 8 128 512 4096). The workspace offsets
+// come from jax_moe_a2a.layout on stdin (the number of GPUs as ranks, the largest size as capacity). Prints one JSON
+// object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu, gb_per_s}.
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi/src -o a2a_latency \
-//        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu && ./a2a_latency [tokens ...]
+//        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
+//   python3 -c 'from jax_moe_a2a import layout as L
+//   w = L.workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
+//   print("ranks 2 capacity 4096 total", w.total_bytes, *(f"{r.name} {r.offset}" for r in w.regions))' | ./a2a_latency
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "a2a_kernels.cuh"
@@ -32,8 +38,6 @@
 
 using jax_moe_a2a::CombineParams;
 using jax_moe_a2a::DispatchParams;
-using jax_moe_a2a::kSyncWords;
-using jax_moe_a2a::Pieces;
 
 namespace {
 
@@ -41,29 +45,47 @@ constexpr int kHidden = 7168, kTopK = 8, kExperts = 256;
 constexpr int64_t kXRow = kHidden, kSfRow = kHidden / 128 * 4, kCombineRow = kHidden * 2;
 constexpr int kCalls = 200, kRuns = 20, kWarmup = 3;
 
-int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
-
-// Byte offsets in each rank's block: two buffers of {dispatch regions, combine regions}, then flags and epochs.
+// Byte offsets in each rank's block, as jax_moe_a2a.layout.workspace_layout computes them (read from stdin: a first
+// line "ranks R capacity C total BYTES", then one "name offset" line per region).
 struct Layout {
+  int ranks = 0;
+  int64_t capacity = 0, total = 0;
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, off_combine, off_combine_ready, stride;
-  int64_t off_flags, off_sync, total;
-  Layout(int ranks, int64_t capacity) {
-    const int64_t slots = ranks * capacity;
-    int64_t at = 0;
-    auto take = [&](int64_t bytes) { const int64_t o = at; at = Align(at + bytes); return o; };
-    off_x = take(slots * kXRow);
-    off_sf = take(slots * kSfRow);
-    off_ids = take(slots * kTopK * 4);
-    off_weights = take(slots * kTopK * 4);
-    off_counts = take(ranks * 4);
-    off_ready = take(slots * Pieces(kXRow) * 4);
-    off_combine = take(slots * kCombineRow);
-    off_combine_ready = take(slots * Pieces(kCombineRow) * 4);
-    stride = at;
-    at = 2 * stride;
-    off_flags = take(2 * ranks * 8);
-    off_sync = take(2 * kSyncWords * 8);
-    total = at;
+  int64_t off_flags, off_sync;
+
+  static Layout Read(std::FILE* in) {
+    Layout lay;
+    long long capacity = 0, total = 0;
+    if (std::fscanf(in, " ranks %d capacity %lld total %lld", &lay.ranks, &capacity, &total) != 3) {
+      std::printf("stdin: expected a first line \"ranks R capacity C total BYTES\" (see the header of this file)\n");
+      std::exit(1);
+    }
+    lay.capacity = capacity;
+    lay.total = total;
+    std::map<std::string, int64_t> off;
+    char name[128];
+    long long at;
+    while (std::fscanf(in, " %127s %lld", name, &at) == 2) off[name] = at;
+    auto get = [&](const char* region) {
+      const auto it = off.find(region);
+      if (it == off.end()) {
+        std::printf("stdin: no offset for region %s\n", region);
+        std::exit(1);
+      }
+      return it->second;
+    };
+    lay.off_x = get("buf0.recv_x");
+    lay.off_sf = get("buf0.recv_x_sf");
+    lay.off_ids = get("buf0.recv_topk_ids");
+    lay.off_weights = get("buf0.recv_topk_weights");
+    lay.off_counts = get("buf0.recv_counts");
+    lay.off_ready = get("buf0.recv_ready");
+    lay.off_combine = get("buf0.combine");
+    lay.off_combine_ready = get("buf0.combine_ready");
+    lay.stride = get("buf1.recv_x") - lay.off_x;
+    lay.off_flags = get("flags");
+    lay.off_sync = get("sync");
+    return lay;
   }
 };
 
@@ -173,6 +195,10 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes;
   for (int i = 1; i < argc; ++i) sizes.push_back(std::atoll(argv[i]));
   if (sizes.empty()) sizes = {1, 8, 128, 512, 4096};
+  const Layout lay = Layout::Read(stdin);
+  std::fprintf(stderr, "layout: %d ranks, capacity %lld, %lld bytes, buffer stride %lld, sync at %lld\n", lay.ranks,
+               static_cast<long long>(lay.capacity), static_cast<long long>(lay.total),
+               static_cast<long long>(lay.stride), static_cast<long long>(lay.off_sync));
   int n;
   CK(cudaGetDeviceCount(&n));
   if (n < 2) {
@@ -197,8 +223,13 @@ int main(int argc, char** argv) {
   std::printf("{\"device\": \"%dx %s\", \"calls_per_graph\": %d, \"runs\": %d, \"rows\": [\n", n, prop.name, kCalls,
               kRuns);
 
-  const int64_t max_tokens = *std::max_element(sizes.begin(), sizes.end());
-  const Layout lay(n, max_tokens);
+  const int64_t max_tokens = lay.capacity;
+  if (lay.ranks != n || *std::max_element(sizes.begin(), sizes.end()) > max_tokens) {
+    std::printf("the layout is for %d ranks and %lld tokens per rank; this run has %d GPUs and up to %lld tokens\n",
+                lay.ranks, static_cast<long long>(max_tokens), n,
+                static_cast<long long>(*std::max_element(sizes.begin(), sizes.end())));
+    return 1;
+  }
   std::vector<Rank> ranks(n);
   jax_moe_a2a::PeerBases peers{}, handshake_words{};
   std::mt19937 rng(1234);
