@@ -176,6 +176,8 @@ REGION_ALIGNMENT = 128
 # Flags, epochs and arrival counters are 8-byte words; each op has SYNC_WORDS of them in the sync region.
 FLAG_BYTES = 8
 SYNC_WORDS = 4
+# A dispatch count word per source: the count and the epoch of the call that wrote it (see `WorkspaceLayout`).
+COUNT_BYTES = 8
 # Rows cross NVLink in pieces of PIECE_BYTES; each piece of a receive slot has a READY_BYTES ready word (the GPU
 # kernels' kPieceBytes and Pieces() state the same; tests/test_layout.py checks the two against each other).
 PIECE_BYTES = 2048
@@ -211,7 +213,8 @@ class WorkspaceLayout:
   - ``recv_x_sf``     [num_ranks, capacity, x_sf_bytes_per_token]: their scales (size 0 for bf16);
   - ``recv_topk_ids`` [num_ranks, capacity, top_k] int32;
   - ``recv_topk_weights`` [num_ranks, capacity, top_k] float32;
-  - ``recv_counts``   [num_ranks] int32: tokens received from each source;
+  - ``recv_counts``   [num_ranks] uint64: per source, the tokens received from it in the low 32 bits, under the
+    epoch of the dispatch that wrote them (GPU kernels; one 64-bit store keeps the two together);
   - ``combine``       [num_ranks, capacity, hidden] combine dtype: expert outputs sent back by each rank;
   - ``recv_ready``    [num_ranks, capacity, pieces(x_bytes_per_token)] uint32: per piece of a received row, the
     epoch of the dispatch that filled it (written by the source after the piece);
@@ -279,7 +282,7 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
       ("recv_x_sf", slots * d.x_sf_bytes_per_token),
       ("recv_topk_ids", slots * d.topk_ids_bytes_per_token),
       ("recv_topk_weights", slots * d.topk_weights_bytes_per_token),
-      ("recv_counts", num_ranks * 4),
+      ("recv_counts", num_ranks * COUNT_BYTES),
       ("combine", slots * hidden * combine_dtype_bytes),
       ("recv_ready", slots * pieces(d.x_bytes_per_token) * READY_BYTES),
       ("combine_ready", slots * pieces(hidden * combine_dtype_bytes) * READY_BYTES),

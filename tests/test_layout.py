@@ -192,11 +192,11 @@ def test_bad_top_k(top_k):
 # ----------------------------------------------------------------------------------------------------------------
 
 # num_ranks=2, capacity=3, hidden=256, top_k=2, fp8_blockwise, bf16 combine (6 slots):
-#   recv_x 6*256 = 1536, recv_x_sf 6*8 = 48, recv_topk_ids 6*8 = 48, recv_topk_weights 48, recv_counts 2*4 = 8,
+#   recv_x 6*256 = 1536, recv_x_sf 6*8 = 48, recv_topk_ids 6*8 = 48, recv_topk_weights 48, recv_counts 2*8 = 16,
 #   combine 6*256*2 = 3072, recv_ready 6*1*4 = 24 (256-byte rows: one piece), combine_ready 6*1*4 = 24;
 #   flags 2*2*8 = 32; sync 2*4*8 = 64.
 # Offsets: each next offset is round_up(previous end, 128):
-#   0 +1536 -> 1536 +48 -> 1584 => 1664 +48 -> 1712 => 1792 +48 -> 1840 => 1920 +8 -> 1928 => 2048
+#   0 +1536 -> 1536 +48 -> 1584 => 1664 +48 -> 1712 => 1792 +48 -> 1840 => 1920 +16 -> 1936 => 2048
 #   +3072 -> 5120 +24 -> 5144 => 5248 +24 -> 5272 => 5376 (buffer stride 5376) ... buf1.combine 7424 +3072 ->
 #   10496; buf1.recv_ready => 10624 => 10752; flags 10752 +32 => 10880; sync 10880 +64 -> 10944 => 11008 = total.
 FP8_CASE = dict(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise")
@@ -205,7 +205,7 @@ FP8_CASE_REGIONS = [
     ("buf0.recv_x_sf", 1536, 48),
     ("buf0.recv_topk_ids", 1664, 48),
     ("buf0.recv_topk_weights", 1792, 48),
-    ("buf0.recv_counts", 1920, 8),
+    ("buf0.recv_counts", 1920, 16),
     ("buf0.combine", 2048, 3072),
     ("buf0.recv_ready", 5120, 24),
     ("buf0.combine_ready", 5248, 24),
@@ -213,7 +213,7 @@ FP8_CASE_REGIONS = [
     ("buf1.recv_x_sf", 6912, 48),
     ("buf1.recv_topk_ids", 7040, 48),
     ("buf1.recv_topk_weights", 7168, 48),
-    ("buf1.recv_counts", 7296, 8),
+    ("buf1.recv_counts", 7296, 16),
     ("buf1.combine", 7424, 3072),
     ("buf1.recv_ready", 10496, 24),
     ("buf1.combine_ready", 10624, 24),
@@ -250,7 +250,7 @@ def test_workspace_region_lookup():
   r = ws.region("sync")
   assert (r.offset, r.size, r.end) == (10880, 64, 10944)
   assert ws.region("flags").offset == 10752
-  assert ws.region("buf1.recv_counts").size == 8
+  assert ws.region("buf1.recv_counts").size == 16
 
 
 @pytest.mark.parametrize("name", ["recv_x", "buf2.recv_x", "buf0.recv_y", "", "FLAGS"])
@@ -329,7 +329,7 @@ def test_piece_size_is_the_one_the_kernels_use():
 
 def test_workspace_hand_computed_bf16_zero_size_scale_region():
   # bf16: recv_x 6*512 = 3072 at 0; recv_x_sf is empty at 3072 and the next region starts there too;
-  # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +8 => 3456; combine 3456 +3072 -> 6528 (= 51*128);
+  # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +16 => 3456; combine 3456 +3072 -> 6528 (= 51*128);
   # ready regions 6528 +24 => 6656 +24 => 6784 (the buffer stride); flags 13568; sync 13696 +64 => 13824.
   ws = workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="bf16")
   expected = [
@@ -337,7 +337,7 @@ def test_workspace_hand_computed_bf16_zero_size_scale_region():
       ("buf0.recv_x_sf", 3072, 0),
       ("buf0.recv_topk_ids", 3072, 48),
       ("buf0.recv_topk_weights", 3200, 48),
-      ("buf0.recv_counts", 3328, 8),
+      ("buf0.recv_counts", 3328, 16),
       ("buf0.combine", 3456, 3072),
   ]
   assert [(r.name, r.offset, r.size) for r in ws.regions[:6]] == expected
@@ -348,11 +348,11 @@ def test_workspace_hand_computed_bf16_zero_size_scale_region():
 
 
 def test_workspace_shared_regions_scale_with_ranks():
-  # 8 ranks: flags 2*8*8 = 128; sync 2*4*8 = 64; recv_counts 8*4 = 32.
+  # 8 ranks: flags 2*8*8 = 128; sync 2*4*8 = 64; recv_counts 8*8 = 64.
   ws = workspace_layout(num_ranks=8, capacity=16, hidden=7168, top_k=8, fmt="fp8_blockwise", num_buffers=1)
   assert ws.region("flags").size == 128
   assert ws.region("sync").size == 64
-  assert ws.region("buf0.recv_counts").size == 32
+  assert ws.region("buf0.recv_counts").size == 64
   # 128 slots: recv_x 128*7168 = 917504; scales 128*224 = 28672; ids/weights 128*32 = 4096; combine 128*14336.
   assert ws.region("buf0.recv_x").size == 917504
   assert ws.region("buf0.recv_x_sf").size == 28672

@@ -120,7 +120,7 @@ int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   const int64_t slots = g.num_ranks * g.capacity;
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
-                          g.off_counts + g.num_ranks * 4, g.off_ready + slots * Pieces(g.x_row) * 4});
+                          g.off_counts + g.num_ranks * 8, g.off_ready + slots * Pieces(g.x_row) * 4});
   return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
@@ -219,8 +219,9 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
       }
     }
   }
+  // Count words: the count alone (the rendezvous below orders memory; the GPU kernels add their epoch above it).
   for (int64_t r = 0; r < num_ranks; ++r) {
-    reinterpret_cast<int32_t*>(ws.base[site.group][r] + buf + g.off_counts)[me] = counts[r];
+    reinterpret_cast<uint64_t*>(ws.base[site.group][r] + buf + g.off_counts)[me] = static_cast<uint32_t>(counts[r]);
   }
 
   // Meet: every rank of the group has put (the mutex orders the memory).
@@ -232,13 +233,13 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
 
   // Receive: copy the filled slots out, pad the rest.
   const uint8_t* mine = ws.base[site.group][me] + buf;
-  const auto* got = reinterpret_cast<const int32_t*>(mine + g.off_counts);
+  const auto* got = reinterpret_cast<const uint64_t*>(mine + g.off_counts);
   auto* out_x = static_cast<uint8_t*>(recv_x->untyped_data());
   auto* out_sf = static_cast<uint8_t*>(recv_x_sf->untyped_data());
   int32_t* out_ids = recv_ids->typed_data();
   float* out_w = recv_weights->typed_data();
   for (int64_t s = 0; s < num_ranks; ++s) {
-    const int64_t n = got[s];
+    const int64_t n = static_cast<int32_t>(got[s] & 0xFFFFFFFFu);
     recv_counts->typed_data()[s] = static_cast<int32_t>(n);
     for (int64_t j = 0; j < t_count; ++j) {
       const int64_t o = s * t_count + j, w = s * cap + j;
