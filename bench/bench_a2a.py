@@ -15,7 +15,9 @@ size and wire format it times, per call (median of many runs after warm-up, fres
 kernel's start to its last kernel's end (waits included, host launch cost not), divided by the calls. Combine
 is timed as dispatch + combine minus dispatch alone, each way. "kernel" (ffi and all_to_all) is the slowest
 GPU's time per call inside the op's own kernel (the custom call's, or NCCL's), read from the same trace: for
-combine a direct figure, where "gpu" is a difference.
+combine a direct figure, where "gpu" is a difference. "steady" repeats "gpu" and "kernel" over the calls of
+the chain after its first (fields steady_gpu_us, steady_kernel_us): the first call of a chain is where a device
+started earlier by the host waits for its peer, in any implementation that synchronizes devices.
 GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb_per_s) and over the gpu time
 (gpu_gb_per_s): for dispatch, (token, other rank) pairs the routing sends times the wire bytes per token
 (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for combine, the same pairs times 2 * hidden.
@@ -40,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (device_kernels, kernel_busy_us, plot_if_possible, print_kernel_table, save_plot,  # noqa: E402
-                    span_us, time_per_call, write_result)
+                    span_us, steady_us, time_per_call, write_result)
 
 from jax_moe_a2a import a2a, layout, quant  # noqa: E402
 
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
   say(f"{num_ranks} ranks in {jax.process_count()} process(es), hidden {args.hidden}, top-{args.top_k} of "
       f"{args.experts}")
   say(f"{'T/rank':>6} {'fmt':>13} {'op':>8} {'impl':>10} {'chain us':>9} {'single us':>9} {'gpu us':>8} "
-      f"{'kernel us':>9} {'GB/s':>7}")
+      f"{'kernel us':>9} {'GB/s':>7} {'steady':>8} {'kernel':>9}")
   for fmt in args.formats:
     d = layout.dispatch_layout(args.hidden, fmt, top_k=args.top_k)
     for tokens in args.tokens:
@@ -198,27 +200,31 @@ def main(argv=None) -> int:
           out += [x, x_sf if has_sf else jnp.zeros((x.shape[0], 1), jnp.float32), ids, w]
         return out
 
-      def record(op, impl, chain_s, single_s, nbytes, gpu_us=None, kernel_us=None):
+      def record(op, impl, chain_s, single_s, nbytes, gpu_us=None, kernel_us=None, steady_gpu_us=None,
+                 steady_kernel_us=None):
         gbps = nbytes / chain_s / 1e9 if chain_s else float("nan")
         rows.append({"tokens_per_rank": tokens, "fmt": fmt, "op": op, "impl": impl, "chain_us": chain_s * 1e6,
                      "single_us": single_s * 1e6, "gpu_us": gpu_us, "kernel_us": kernel_us,
+                     "steady_gpu_us": steady_gpu_us, "steady_kernel_us": steady_kernel_us,
                      "nvlink_bytes_per_gpu": nbytes, "gb_per_s": gbps,
                      "gpu_gb_per_s": nbytes / gpu_us / 1e3 if gpu_us else None})
-        gpu = "-" if gpu_us is None else f"{gpu_us:.1f}"
-        kern = "-" if kernel_us is None else f"{kernel_us:.1f}"
+        gpu, kern, s_gpu, s_kern = ("-" if v is None else f"{v:.1f}"
+                                    for v in (gpu_us, kernel_us, steady_gpu_us, steady_kernel_us))
         say(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single_s * 1e6:>9.1f} {gpu:>8} "
-            f"{kern:>9} {gbps:>7.1f}", flush=True)
+            f"{kern:>9} {gbps:>7.1f} {s_gpu:>8} {s_kern:>9}", flush=True)
 
       def gpu_span_us(fn, fn_args, label, own_kernel=None):
         """Per call, in one chain: the slowest device's span from its first kernel start to its last kernel end, and
-        (own_kernel: a part of the op's kernel name) the slowest device's time in that kernel alone."""
+        (own_kernel: a part of the op's kernel name) the slowest device's time in that kernel alone; then both over
+        the calls after the first (`steady_us`)."""
         kernels = device_kernels(fn, fn_args)
         if args.kernels and lead:
           print(f"  kernels of {label} ({args.chain} calls):")
           print_kernel_table(kernels, args.chain)
         spans = [span_us(ev) / args.chain for ev in kernels.values() if ev]
         own = kernel_busy_us(kernels, own_kernel, args.chain) if own_kernel else None
-        return (max(spans) if spans else None), own
+        steady = steady_us(kernels, own_kernel, args.chain) if own_kernel else (None, None)
+        return (max(spans) if spans else None), own, *steady
 
       chain_in = [tuple(flat_inputs(sets))]
       single_in = [tuple(flat_inputs([s])) for s in sets]
@@ -231,16 +237,18 @@ def main(argv=None) -> int:
         d_fn, p_fn = dispatch_fn(impl, args.chain), pair_fn(impl, args.chain)
         t_chain = time_per_call(d_fn, chain_in, calls_per_run=args.chain, runs=args.runs)
         t_single = time_per_call(dispatch_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
-        d_gpu, d_kernel = gpu_span_us(d_fn, chain_in[0], f"dispatch {name}",
-                                      "DispatchKernel" if name == "ffi" else None)
-        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu, d_kernel)
+        d_gpu, d_kernel, d_steady, d_steady_kernel = gpu_span_us(d_fn, chain_in[0], f"dispatch {name}",
+                                                                 "DispatchKernel" if name == "ffi" else None)
+        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu, d_kernel, d_steady,
+               d_steady_kernel)
         # Combine = (dispatch + combine) - dispatch, both medians of their own runs.
         p_chain = time_per_call(p_fn, pair_chain_in, calls_per_run=args.chain, runs=args.runs)
         p_single = time_per_call(pair_fn(impl, 1), pair_single_in, calls_per_run=1, runs=args.runs)
-        p_gpu, c_kernel = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}",
-                                      "CombineKernel" if name == "ffi" else None)
+        p_gpu, c_kernel, p_steady, c_steady_kernel = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}",
+                                                                 "CombineKernel" if name == "ffi" else None)
+        diff = lambda a, b: None if a is None or b is None else a - b
         record("combine", name, p_chain["median_s"] - t_chain["median_s"], p_single["median_s"] - t_single["median_s"],
-               comb_bytes, None if d_gpu is None or p_gpu is None else p_gpu - d_gpu, c_kernel)
+               comb_bytes, diff(p_gpu, d_gpu), c_kernel, diff(p_steady, d_steady), c_steady_kernel)
 
       # Bare collectives carrying the same wire bytes.
       row_bytes = d.bytes_per_token

@@ -140,6 +140,21 @@ def kernel_busy_us(kernels: Kernels, name_part: str, calls: int) -> float | None
   return max(busy) / 1e3 / calls if busy else None
 
 
+def steady_us(kernels: Kernels, name_part: str, calls: int) -> tuple[float | None, float | None]:
+  """Per call over calls 2..`calls` of a chain whose every call runs one kernel named like `name_part`: the slowest
+  device's span from the end of the first such kernel to the end of its last kernel, and its time in those
+  kernels after the first. The first call is left out because it alone can wait for a peer device that the host
+  started later; (None, None) where the trace has fewer than two such kernels."""
+  spans, busy = [], []
+  for events in kernels.values():
+    own = [(s, d) for n, s, d in events if name_part in n]
+    if calls < 2 or len(own) < 2:
+      continue
+    spans.append((max(s + d for _, s, d in events) - (own[0][0] + own[0][1])) / 1e3 / (calls - 1))
+    busy.append(sum(d for _, d in own[1:]) / 1e3 / (calls - 1))
+  return (max(spans), max(busy)) if spans else (None, None)
+
+
 def print_kernel_table(kernels: Kernels, calls: int) -> None:
   """Per device: span from first kernel start to last kernel end, busy time, and each kernel's mean per call."""
   for device, events in kernels.items():

@@ -34,7 +34,23 @@ def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
     for impl in ("ffi", "twin", "all_to_all"):
       assert {(fmt, "dispatch", impl), (fmt, "combine", impl)} <= got
   assert all(r["chain_us"] is not None and r["gpu_us"] is None for r in rec["rows"])  # no GPU trace on CPU
+  assert all(r["steady_gpu_us"] is None and r["steady_kernel_us"] is None for r in rec["rows"])
   assert path.with_suffix(".png").exists()
+
+
+def test_steady_us_leaves_out_the_first_call_of_the_chain():
+  common = _import_bench("common")
+  # Three calls of "Op" per device, in ns. Device 0 waits 40 us in its first call for a peer started later.
+  kernels = {
+      "gpu0": [("Op", 0, 50_000), ("Other", 50_000, 1_000), ("Op", 51_000, 10_000), ("Op", 61_000, 10_000)],
+      "gpu1": [("Op", 40_000, 10_000), ("Op", 51_000, 12_000), ("Op", 63_000, 9_000)],
+  }
+  # Device 0: from 50 us to 71 us over 2 calls, 10 us in Op per call; device 1: 50 -> 72 us, (12 + 9) / 2 us.
+  assert common.steady_us(kernels, "Op", 3) == pytest.approx((11.0, 10.5))
+  assert common.kernel_busy_us(kernels, "Op", 3) == pytest.approx(70 / 3)  # the whole chain, first call included
+  assert common.steady_us(kernels, "Op", 1) == (None, None)
+  assert common.steady_us({"gpu0": [("Op", 0, 5)]}, "Op", 3) == (None, None)
+  assert common.steady_us(kernels, "Missing", 3) == (None, None)
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")

@@ -4,8 +4,10 @@
 // Every visible GPU (all must reach each other through peer access) is one rank. Each GPU's stream replays a CUDA
 // graph of kCalls back-to-back launches of one kernel (launch cost as in an XLA command buffer); the graphs of all
 // GPUs start together, and a call takes the slower GPU's graph time / kCalls. Median of kRuns runs after warm-up.
+// The calls cycle through `--sets N` sets of inputs and outputs (default 8), each with its own random routing: as in
+// a jitted chain of distinct inputs, a call finds them in HBM rather than in L2 (--sets 1: the L2-hot case).
 // DeepSeek-V3 shapes: hidden 7168, FP8 wire (7168 bytes + 56 float32 scales per row), top-8 of 256 experts, random
-// routing, bf16 combine; tokens per rank from the command line (default 1 8 128 512 4096). The workspace offsets
+// routing, bf16 combine; tokens per rank from the command line after the options (default 1 8 128 512 4096). The workspace offsets
 // come from jax_moe_a2a.layout on stdin (the number of GPUs as ranks, the largest size as capacity). Prints one JSON
 // object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu, gb_per_s}.
 //
@@ -13,7 +15,8 @@
 //        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
 //   python3 -c 'from jax_moe_a2a import layout as L
 //   w = L.workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
-//   print("ranks 2 capacity 4096 total", w.total_bytes, *(f"{r.name} {r.offset}" for r in w.regions))' | ./a2a_latency
+//   print("ranks 2 capacity 4096 total", w.total_bytes, *(f"{r.name} {r.offset}" for r in w.regions))' |
+//   ./a2a_latency [--sets N] [tokens ...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -112,28 +115,33 @@ __global__ void Handshake(uint64_t* epoch, jax_moe_a2a::PeerBases words, int me,
   }
 }
 
+// One call's inputs and outputs on one GPU.
+struct Buffers {
+  uint8_t *x = nullptr, *x_sf = nullptr, *recv_x = nullptr, *recv_sf = nullptr, *expert_out = nullptr, *out = nullptr;
+  int32_t *ids = nullptr, *recv_ids = nullptr, *recv_counts = nullptr, *send_slot = nullptr;
+  float *weights = nullptr, *recv_weights = nullptr;
+};
+
 struct Rank {
   cudaStream_t stream;
   int num_sms;
   uint8_t* block;
-  uint8_t *x, *x_sf, *recv_x, *recv_sf, *expert_out, *out;
-  int32_t *ids, *recv_ids, *recv_counts, *send_slot;
-  float *weights, *recv_weights;
+  std::vector<Buffers> sets;
   uint64_t* epoch;
   int* error;
   cudaGraphExec_t graph = nullptr;
   cudaEvent_t start, stop;
 };
 
-// Per call, in microseconds: the median over runs of the slower GPU's graph time / kCalls. `launch(g)` enqueues one
-// call on GPU g's stream.
+// Per call, in microseconds: the median over runs of the slower GPU's graph time / kCalls. `launch(g, i)` enqueues
+// call i on GPU g's stream.
 template <typename Launch>
 double TimeCalls(std::vector<Rank>& ranks, Launch launch) {
   for (size_t g = 0; g < ranks.size(); ++g) {
     CK(cudaSetDevice(g));
     cudaGraph_t graph;
     CK(cudaStreamBeginCapture(ranks[g].stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < kCalls; ++i) launch(static_cast<int>(g));
+    for (int i = 0; i < kCalls; ++i) launch(static_cast<int>(g), i);
     CK(cudaStreamEndCapture(ranks[g].stream, &graph));
     if (ranks[g].graph) CK(cudaGraphExecDestroy(ranks[g].graph));
     CK(cudaGraphInstantiate(&ranks[g].graph, graph, 0));
@@ -193,7 +201,18 @@ T* Alloc(int64_t count) {
 
 int main(int argc, char** argv) {
   std::vector<int64_t> sizes;
-  for (int i = 1; i < argc; ++i) sizes.push_back(std::atoll(argv[i]));
+  int num_sets = 8;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--sets" && i + 1 < argc) {
+      num_sets = std::atoi(argv[++i]);
+      if (num_sets < 1) {
+        std::printf("--sets: expected a count >= 1, got %s\n", argv[i]);
+        return 1;
+      }
+    } else {
+      sizes.push_back(std::atoll(argv[i]));
+    }
+  }
   if (sizes.empty()) sizes = {1, 8, 128, 512, 4096};
   const Layout lay = Layout::Read(stdin);
   std::fprintf(stderr, "layout: %d ranks, capacity %lld, %lld bytes, buffer stride %lld, sync at %lld\n", lay.ranks,
@@ -220,8 +239,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("{\"device\": \"%dx %s\", \"calls_per_graph\": %d, \"runs\": %d, \"rows\": [\n", n, prop.name, kCalls,
-              kRuns);
+  std::printf("{\"device\": \"%dx %s\", \"calls_per_graph\": %d, \"runs\": %d, \"input_sets\": %d, \"rows\": [\n", n,
+              prop.name, kCalls, kRuns, num_sets);
 
   const int64_t max_tokens = lay.capacity;
   if (lay.ranks != n || *std::max_element(sizes.begin(), sizes.end()) > max_tokens) {
@@ -259,64 +278,62 @@ int main(int argc, char** argv) {
     first = false;
   };
 
-  row("empty kernel, 1 block", 0, TimeCalls(ranks, [&](int g) { Empty<<<1, 32, 0, ranks[g].stream>>>(); }), 0);
-  row("empty kernel, 1 block of 512 per SM", 0, TimeCalls(ranks, [&](int g) {
+  row("empty kernel, 1 block", 0, TimeCalls(ranks, [&](int g, int) { Empty<<<1, 32, 0, ranks[g].stream>>>(); }), 0);
+  row("empty kernel, 1 block of 512 per SM", 0, TimeCalls(ranks, [&](int g, int) {
         Empty<<<ranks[g].num_sms, 512, 0, ranks[g].stream>>>();
       }), 0);
-  row("handshake kernel", 0, TimeCalls(ranks, [&](int g) {
+  row("handshake kernel", 0, TimeCalls(ranks, [&](int g, int) {
         Handshake<<<1, 32, 0, ranks[g].stream>>>(ranks[g].epoch, handshake_words, g, n);
       }), 0);
 
   for (int64_t tokens : sizes) {
     // Fresh inputs per size: random bytes for x and scales, top-8 distinct experts per token.
-    double routed = 0;  // (token, other rank) pairs, over all GPUs
+    double routed = 0;  // (token, other rank) pairs, over all GPUs and sets
     for (int g = 0; g < n; ++g) {
-      Rank& r = ranks[g];
       CK(cudaSetDevice(g));
-      for (uint8_t** p : {&r.x, &r.x_sf, &r.recv_x, &r.recv_sf, &r.expert_out, &r.out}) {
-        if (*p) CK(cudaFree(*p));
+      for (Buffers& r : ranks[g].sets) {
+        for (uint8_t* p : {r.x, r.x_sf, r.recv_x, r.recv_sf, r.expert_out, r.out}) CK(cudaFree(p));
+        for (int32_t* p : {r.ids, r.recv_ids, r.recv_counts, r.send_slot}) CK(cudaFree(p));
+        for (float* p : {r.weights, r.recv_weights}) CK(cudaFree(p));
       }
-      for (int32_t** p : {&r.ids, &r.recv_ids, &r.recv_counts, &r.send_slot}) {
-        if (*p) CK(cudaFree(*p));
-      }
-      for (float** p : {&r.weights, &r.recv_weights}) {
-        if (*p) CK(cudaFree(*p));
-      }
-      r.x = Alloc<uint8_t>(tokens * kXRow);
-      r.x_sf = Alloc<uint8_t>(tokens * kSfRow);
-      r.ids = Alloc<int32_t>(tokens * kTopK);
-      r.weights = Alloc<float>(tokens * kTopK);
-      r.recv_x = Alloc<uint8_t>(n * tokens * kXRow);
-      r.recv_sf = Alloc<uint8_t>(n * tokens * kSfRow);
-      r.recv_ids = Alloc<int32_t>(n * tokens * kTopK);
-      r.recv_weights = Alloc<float>(n * tokens * kTopK);
-      r.recv_counts = Alloc<int32_t>(n);
-      r.send_slot = Alloc<int32_t>(tokens * n);
-      r.expert_out = Alloc<uint8_t>(n * tokens * kCombineRow);
-      r.out = Alloc<uint8_t>(tokens * kCombineRow);
-      std::vector<uint8_t> bytes(tokens * kXRow);
-      for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-      CK(cudaMemcpy(r.x, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
-      std::vector<int32_t> ids(tokens * kTopK);
-      std::vector<float> weights(tokens * kTopK, 0.125f);
-      std::vector<int> experts(kExperts);
-      for (int e = 0; e < kExperts; ++e) experts[e] = e;
-      for (int64_t t = 0; t < tokens; ++t) {
-        std::shuffle(experts.begin(), experts.end(), rng);
-        std::vector<bool> to(n, false);
-        for (int k = 0; k < kTopK; ++k) {
-          ids[t * kTopK + k] = experts[k];
-          to[experts[k] / (kExperts / n)] = true;
+      ranks[g].sets.assign(num_sets, Buffers{});
+      for (Buffers& r : ranks[g].sets) {
+        r.x = Alloc<uint8_t>(tokens * kXRow);
+        r.x_sf = Alloc<uint8_t>(tokens * kSfRow);
+        r.ids = Alloc<int32_t>(tokens * kTopK);
+        r.weights = Alloc<float>(tokens * kTopK);
+        r.recv_x = Alloc<uint8_t>(n * tokens * kXRow);
+        r.recv_sf = Alloc<uint8_t>(n * tokens * kSfRow);
+        r.recv_ids = Alloc<int32_t>(n * tokens * kTopK);
+        r.recv_weights = Alloc<float>(n * tokens * kTopK);
+        r.recv_counts = Alloc<int32_t>(n);
+        r.send_slot = Alloc<int32_t>(tokens * n);
+        r.expert_out = Alloc<uint8_t>(n * tokens * kCombineRow);
+        r.out = Alloc<uint8_t>(tokens * kCombineRow);
+        std::vector<uint8_t> bytes(tokens * kXRow);
+        for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+        CK(cudaMemcpy(r.x, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+        std::vector<int32_t> ids(tokens * kTopK);
+        std::vector<float> weights(tokens * kTopK, 0.125f);
+        std::vector<int> experts(kExperts);
+        for (int e = 0; e < kExperts; ++e) experts[e] = e;
+        for (int64_t t = 0; t < tokens; ++t) {
+          std::shuffle(experts.begin(), experts.end(), rng);
+          std::vector<bool> to(n, false);
+          for (int k = 0; k < kTopK; ++k) {
+            ids[t * kTopK + k] = experts[k];
+            to[experts[k] / (kExperts / n)] = true;
+          }
+          for (int d = 0; d < n; ++d) routed += d != g && to[d];
         }
-        for (int d = 0; d < n; ++d) routed += d != g && to[d];
+        CK(cudaMemcpy(r.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(r.weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
       }
-      CK(cudaMemcpy(r.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(r.weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
     }
-    auto dispatch = [&](int g) {
-      Rank& r = ranks[g];
+    auto dispatch = [&](int g, int i) {
+      const Buffers& r = ranks[g].sets[i % num_sets];
       DispatchParams p{};
-      SetShared(p, peers, g, n, max_tokens, tokens, lay, r);
+      SetShared(p, peers, g, n, max_tokens, tokens, lay, ranks[g]);
       p.top_k = kTopK;
       p.num_experts = kExperts;
       p.x_row = kXRow;
@@ -338,12 +355,12 @@ int main(int argc, char** argv) {
       p.off_counts = lay.off_counts;
       p.off_ready = lay.off_ready;
       p.signature = 1;
-      CK(jax_moe_a2a::LaunchDispatch(r.stream, r.num_sms, p));
+      CK(jax_moe_a2a::LaunchDispatch(ranks[g].stream, ranks[g].num_sms, p));
     };
-    auto combine = [&](int g) {
-      Rank& r = ranks[g];
+    auto combine = [&](int g, int i) {  // on the routing that dispatch left in set i
+      const Buffers& r = ranks[g].sets[i % num_sets];
       CombineParams p{};
-      SetShared(p, peers, g, n, max_tokens, tokens, lay, r);
+      SetShared(p, peers, g, n, max_tokens, tokens, lay, ranks[g]);
       p.hidden = kHidden;
       p.in_bytes = 2;
       p.out_bytes = 2;
@@ -354,9 +371,9 @@ int main(int argc, char** argv) {
       p.off_combine = lay.off_combine;
       p.off_ready = lay.off_combine_ready;
       p.signature = 2;
-      CK(jax_moe_a2a::LaunchCombine(r.stream, r.num_sms, p));
+      CK(jax_moe_a2a::LaunchCombine(ranks[g].stream, ranks[g].num_sms, p));
     };
-    const double per_gpu = routed / n;
+    const double per_gpu = routed / n / num_sets;
     row("dispatch", tokens, TimeCalls(ranks, dispatch), per_gpu * (kXRow + kSfRow + kTopK * 8));
     row("combine", tokens, TimeCalls(ranks, combine), per_gpu * kCombineRow);
   }
