@@ -100,10 +100,10 @@ def device_kernels(fn: Callable[..., Any], args: tuple, *, runs: int = 2) -> Ker
   """GPU kernels of the last of `runs` traced calls of `fn(*args)`, per device: [(kernel name, start ns, duration ns)].
 
   Read from a `jax.profiler` trace (CUPTI device timestamps), so launch and host costs are not in the durations;
-  the gaps between kernels show them. Only the last call is kept: the ones before it line the devices (and, under
-  jax.distributed, the processes) up, so its first kernels do not wait for a late peer. Every call launches the
-  same kernels, so the last call's are the last 1/runs of each device's events. Empty where the backend records no
-  device activity (CPU).
+  the gaps between kernels show them. Only the last call is kept, after warm-up; every call launches the same
+  kernels, so the last call's are the last 1/runs of each device's events. Its first kernel that synchronizes
+  devices can still wait for a peer that the host started later (tens of us were seen on two H200s): `steady_us`
+  leaves the first call of a chain out. Empty where the backend records no device activity (CPU).
   """
   import glob  # pylint: disable=import-outside-toplevel
   import tempfile  # pylint: disable=import-outside-toplevel
