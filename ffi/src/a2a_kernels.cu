@@ -268,37 +268,50 @@ __device__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_
   if (hi != 0) atomicAdd(&counts[lane + 32], hi);
 }
 
-// A token's scales, ids and weights in the lanes of a warp: lane i holds the i-th 16 bytes of the scale row and
-// the i-th id and weight. Used where the row fits (Fits; the receive regions' scale rows are then 16-byte aligned
-// too, as every region starts on a 128-byte boundary), so that their loads go out with the row's first piece
-// instead of one round trip after another once it is stored: 1.5 us less per dispatch at 512 tokens on two H200s.
-struct TokenMeta {
+// Expert `id` as rank r (of `local` experts each) numbers it, or -1: not one of its experts, or invalid. 32-bit
+// arithmetic, like DestMask.
+__device__ __forceinline__ int32_t LocalExpert(int32_t id, int r, int local, int num_experts) {
+  return id >= 0 && id < num_experts && id / local == r ? id - r * local : -1;
+}
+
+// A row's scales, ids and weights in the lanes of a warp: lane i holds the i-th 16 bytes of the scale row and the
+// i-th id and weight. Used where the row fits (Fits; the receive regions' scale rows are then 16-byte aligned too,
+// as every region starts on a 128-byte boundary), so that their loads go out with the row's first piece instead of
+// one round trip after another: 1.5 us less per dispatch at 512 tokens on two H200s (senders).
+struct RowMeta {
   uint4 sf;
   int32_t id;
   float weight;
 
-  __device__ static bool Fits(const DispatchParams& p) {
+  // Scale rows of `sf_row` bytes and `top_k` ids, between the scale arrays `a` and `b`.
+  __device__ static bool Fits(const DispatchParams& p, const void* a, const void* b) {
     return p.sf_row % 16 == 0 && p.sf_row <= 32 * 16 && p.top_k <= 32 &&
-           ((reinterpret_cast<uintptr_t>(p.x_sf) | reinterpret_cast<uintptr_t>(p.recv_sf)) & 15) == 0;
+           ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
   }
 
-  __device__ void Load(const DispatchParams& p, int64_t t, int lane) {
-    if (lane * 16 < p.sf_row) sf = *reinterpret_cast<const uint4*>(p.x_sf + t * p.sf_row + lane * 16);
+  __device__ void Load(const DispatchParams& p, const uint8_t* sf_row, const int32_t* ids, const float* weights,
+                       int lane) {
+    if (lane * 16 < p.sf_row) sf = *reinterpret_cast<const uint4*>(sf_row + lane * 16);
     if (lane < p.top_k) {
-      id = p.ids[t * p.top_k + lane];
-      weight = p.weights[t * p.top_k + lane];
+      id = ids[lane];
+      weight = weights[lane];
     }
   }
 
-  // Stores the row for rank r (of `local` experts each): ids of other ranks' experts become -1, their weights 0.
-  __device__ void Store(const DispatchParams& p, int r, int local, uint8_t* sf_row, int32_t* ids, float* weights,
-                        int lane) const {
+  __device__ void Store(const DispatchParams& p, uint8_t* sf_row, int32_t* ids, float* weights, int lane) const {
     if (lane * 16 < p.sf_row) *reinterpret_cast<uint4*>(sf_row + lane * 16) = sf;
     if (lane < p.top_k) {
-      const bool here = id >= 0 && id < p.num_experts && id / local == r;
-      ids[lane] = here ? id - r * local : -1;
-      weights[lane] = here ? weight : 0.0f;
+      ids[lane] = id;
+      weights[lane] = weight;
     }
+  }
+
+  // The row as rank r (of `local` experts each) receives it: ids of other ranks' experts -1, their weights 0.
+  __device__ RowMeta ForRank(const DispatchParams& p, int r, int local) const {
+    RowMeta m = *this;
+    m.id = LocalExpert(id, r, local, static_cast<int>(p.num_experts));
+    m.weight = m.id < 0 ? 0.0f : weight;
+    return m;
   }
 };
 
@@ -385,15 +398,17 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
   // fewer, larger items need fewer fences (one per item and warp).
   const int64_t pieces = Pieces(p.x_row);
   const int64_t group = (end - begin) >= 2 * kWarps ? pieces : 1, per_token = pieces / group;
-  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = TokenMeta::Fits(p);
+  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.x_sf, p.recv_sf);
   const int64_t items = (end - begin) * per_token;
   FencedReady pending;
   for (int64_t item = warp; item < items; item += kWarps) {
     const int64_t t = begin + item / per_token, first = (item % per_token) * group;
     const int32_t* slots = p.send_slot + t * p.num_ranks;
     bool to_peer = false;
-    TokenMeta meta;
-    if (first == 0 && meta_in_lanes) meta.Load(p, t, lane);
+    RowMeta meta;
+    if (first == 0 && meta_in_lanes) {
+      meta.Load(p, p.x_sf + t * p.sf_row, p.ids + t * p.top_k, p.weights + t * p.top_k, lane);
+    }
     // Where token t's row goes on rank r: the outputs for this rank, the receive region for a peer.
     auto row_of = [&](int r) { return r == p.me ? p.me * p.num_tokens + slots[r] : p.me * p.capacity + slots[r]; };
     auto x_of = [&](int r) { return r == p.me ? p.recv_x : p.peers.base[r] + buf + p.off_x; };
@@ -444,15 +459,15 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
         auto* dst_ids = self ? p.recv_ids : reinterpret_cast<int32_t*>(dst + p.off_ids);
         auto* dst_w = self ? p.recv_weights : reinterpret_cast<float*>(dst + p.off_weights);
         if (meta_in_lanes) {
-          meta.Store(p, r, local, dst_sf + row * p.sf_row, dst_ids + row * p.top_k, dst_w + row * p.top_k, lane);
+          meta.ForRank(p, r, local).Store(p, dst_sf + row * p.sf_row, dst_ids + row * p.top_k, dst_w + row * p.top_k,
+                                          lane);
           continue;
         }
         WarpCopy(dst_sf + row * p.sf_row, p.x_sf + t * p.sf_row, p.sf_row, lane);
         for (int64_t k = lane; k < p.top_k; k += 32) {
-          const int64_t id = p.ids[t * p.top_k + k];
-          const bool here = id >= 0 && id < p.num_experts && id / local == r;
-          dst_ids[row * p.top_k + k] = here ? static_cast<int32_t>(id - r * local) : -1;
-          dst_w[row * p.top_k + k] = here ? p.weights[t * p.top_k + k] : 0.0f;
+          const int32_t id = LocalExpert(p.ids[t * p.top_k + k], r, local, static_cast<int>(p.num_experts));
+          dst_ids[row * p.top_k + k] = id;
+          dst_w[row * p.top_k + k] = id < 0 ? 0.0f : p.weights[t * p.top_k + k];
         }
       }
     }
@@ -507,7 +522,7 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
   const uint32_t* ready = Ready(mine + buf, p.off_ready);
   const int64_t pieces = Pieces(p.x_row), items = p.num_ranks * p.num_tokens * pieces;
   const int64_t warps = static_cast<int64_t>(gridDim.x - p.senders) * kWarps, g = rb * kWarps + threadIdx.x / 32;
-  const bool vectors = p.x_row % 16 == 0;
+  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.recv_sf, region + p.off_sf);
   // Item -> (source s, slot j, piece); o = s * T + j is its output row, n the source's count.
   auto where = [&](int64_t item, int64_t& o, int64_t& s, int64_t& j, int64_t& piece, bool& filled) {
     o = item / pieces;
@@ -547,10 +562,12 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
       }
       __syncwarp();  // the polling lanes' acquires happen before every lane's loads below
       while (todo != 0) {
-        // Up to two landed pieces are copied together; padding and unaligned rows are handled on the way.
+        // Up to two landed pieces are copied together, with the scales, ids and weights of their rows where they
+        // are first pieces (their loads go out with the pieces'); padding and unaligned rows are handled on the way.
         uint8_t* dst[2] = {nullptr, nullptr};
         const uint8_t* from[2] = {nullptr, nullptr};
         int64_t bytes[2] = {0, 0};
+        int32_t meta_slot[2] = {-1, -1}, meta_out[2] = {0, 0};  // slot in the region -> output row
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
           while (todo != 0) {
@@ -571,7 +588,10 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
               continue;
             }
             const int64_t r = s * p.capacity + j;
-            if (piece == 0) {
+            if (piece == 0 && vectors && meta_in_lanes) {
+              meta_slot[n] = static_cast<int32_t>(r);
+              meta_out[n] = static_cast<int32_t>(o);
+            } else if (piece == 0) {
               WarpCopy(p.recv_sf + o * p.sf_row, region + p.off_sf + r * p.sf_row, p.sf_row, lane);
               WarpCopy(reinterpret_cast<uint8_t*>(p.recv_ids + o * p.top_k), region + p.off_ids + r * p.top_k * 4,
                        p.top_k * 4, lane);
@@ -588,7 +608,22 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
             break;
           }
         }
+        RowMeta meta[2];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          if (meta_slot[n] < 0) continue;
+          const int64_t r = meta_slot[n];
+          meta[n].Load(p, region + p.off_sf + r * p.sf_row,
+                       reinterpret_cast<const int32_t*>(region + p.off_ids) + r * p.top_k,
+                       reinterpret_cast<const float*>(region + p.off_weights) + r * p.top_k, lane);
+        }
         WarpCopyTwoPieces(dst[0], from[0], bytes[0], dst[1], from[1], bytes[1], lane);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          if (meta_slot[n] < 0) continue;
+          const int64_t o = meta_out[n];
+          meta[n].Store(p, p.recv_sf + o * p.sf_row, p.recv_ids + o * p.top_k, p.recv_weights + o * p.top_k, lane);
+        }
       }
       if (go) pending = false;
       t0 = 0;
