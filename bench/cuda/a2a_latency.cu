@@ -7,9 +7,10 @@
 // The calls cycle through `--sets N` sets of inputs and outputs (default 8), each with its own random routing: as in
 // a jitted chain of distinct inputs, a call finds them in HBM rather than in L2 (--sets 1: the L2-hot case).
 // DeepSeek-V3 shapes: hidden 7168, FP8 wire (7168 bytes + 56 float32 scales per row), top-8 of 256 experts, random
-// routing, bf16 combine; tokens per rank from the command line after the options (default 1 8 128 512 4096). The workspace offsets
-// come from jax_moe_a2a.layout on stdin (the number of GPUs as ranks, the largest size as capacity). Prints one JSON
-// object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu, gb_per_s}.
+// routing, bf16 combine; tokens per rank from the command line after the options (default 1 8 128 512 4096). The
+// workspace offsets come from jax_moe_a2a.layout on stdin (the number of GPUs as ranks, the largest size as
+// capacity). Prints one JSON object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu,
+// gb_per_s}.
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi/src -o a2a_latency \
 //        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
