@@ -22,9 +22,11 @@ num_ranks``, ``L = num_local_experts = num_experts // R`` and global expert ``e`
   activation and scale rows, -1 in the ids and 0.0 in the weights, so the expert stage skips them.
 - **Combine.** Each expert rank returns one row per received slot: the weighted sum over its local experts
   (the expert stage applies the weights; combine does not). Token t gets
-  ``out[t] = ((0.0 + back[r0]) + back[r1]) + ...`` over the ranks ``r0 < r1 < ...`` with ``dest[t, r]`` in
+  ``out[t] = ((-0.0 + back[r0]) + back[r1]) + ...`` over the ranks ``r0 < r1 < ...`` with ``dest[t, r]`` in
   ascending order, where ``back[r] = float32(expert_out_r[me, send_slot[t, r]])``; the sum is accumulated in
-  float32 in exactly that order and then cast to ``out_dtype``. A token sent nowhere gets 0.
+  float32 in exactly that order and then cast to ``out_dtype``. It starts at -0.0, the exact additive identity
+  (-0.0 + x is x for every x, a single -0.0 included), so no compiler rewrite of ``0 + x`` can change a bit. A
+  token sent nowhere gets +0.0.
 - **Autodiff.** The VJP of dispatch is a combine of the cotangents to the same slots; the VJP of combine is a
   dispatch of the output cotangent. Routing is computed once in the forward pass, kept in the
   `DispatchHandle`, and reused by combine and both VJPs.
@@ -200,8 +202,9 @@ def _scatter_to_slots(rows: jax.Array, send_slot: jax.Array, *, per_rank: bool, 
 def _sum_from_slots(back: jax.Array, send_slot: jax.Array) -> jax.Array:
   """``out[t] = sum over r = 0, 1, ..., R-1 (in that order) of float32(back[r, send_slot[t, r]])``.
 
-  Ranks with ``send_slot[t, r] < 0`` are skipped; the sum starts at +0.0. The loop over the static R fixes the
-  float32 addition order (a reduction over the rank axis could be reassociated).
+  Ranks with ``send_slot[t, r] < 0`` are skipped; the sum starts at -0.0 (the exact additive identity: XLA may
+  rewrite ``+0.0 + x`` to ``x``, which differs for x = -0.0), and a token sent nowhere gets +0.0. The loop over the
+  static R fixes the float32 addition order (a reduction over the rank axis could be reassociated).
 
   Args:
     back: ``[R, T, *row]``, the rows returned by each rank for this rank's slots.
@@ -212,7 +215,9 @@ def _sum_from_slots(back: jax.Array, send_slot: jax.Array) -> jax.Array:
   """
   num_ranks = back.shape[0]
   num_tokens = send_slot.shape[0]
-  acc = jnp.zeros((num_tokens,) + back.shape[2:], jnp.float32)
+  sent_anywhere = jnp.any(send_slot >= 0, axis=1).reshape((num_tokens,) + (1,) * (back.ndim - 2))
+  acc = jnp.broadcast_to(jnp.where(sent_anywhere, jnp.float32(-0.0), jnp.float32(0.0)),
+                         (num_tokens,) + back.shape[2:])
   for r in range(num_ranks):
     slot = send_slot[:, r]
     row = jnp.take(back[r], jnp.maximum(slot, 0), axis=0).astype(jnp.float32)
@@ -416,9 +421,9 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   (the expert stage applies the weights; combine does not). Padding rows are never read.
 
   Contract (bit for bit): with ``back[r]`` = float32 of the row rank r returns for ``send_slot[t, r]``,
-  ``out[t] = (((+0.0 + back[r0]) + back[r1]) + ...)`` over the ranks ``r0 < r1 < ...`` with
+  ``out[t] = (((-0.0 + back[r0]) + back[r1]) + ...)`` over the ranks ``r0 < r1 < ...`` with
   ``send_slot[t, r] >= 0``, accumulated in float32 in ascending rank order, then cast to out_dtype. A token
-  sent nowhere gets 0.
+  sent nowhere gets +0.0.
 
   Differentiable in expert_out: the VJP dispatches ``ct_out[t]``, cast to expert_out's dtype, to every slot
   token t was sent to; padding rows get 0.
@@ -679,7 +684,7 @@ class Workspace:
     if op == "dispatch":
       common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],
                     off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"],
-                    off_ready=off["buf0.recv_ready"])
+                    off_ready=off["buf0.recv_ready"], off_ll=off["buf0.recv_ll"], ll_tokens=self.layout.ll_tokens)
     else:
       common.update(off_combine=off["buf0.combine"], off_ready=off["buf0.combine_ready"])
     return {k: np.int64(v) for k, v in common.items()}

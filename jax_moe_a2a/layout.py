@@ -184,6 +184,22 @@ PIECE_BYTES = 2048
 READY_BYTES = 4
 
 
+# Dispatch calls of at most LL_MAX_TOKENS tokens per rank send a peer its rows in LL form: every 4 bytes of the row
+# (x, then scales, ids and weights) in an 8-byte unit with the call's epoch, so that one 64-bit store makes a unit
+# whole and the receiver needs neither a fence before it nor a ready word after it, at twice the bytes on the wire.
+# It takes rows whose x part is whole 16-byte vectors and whose scale part is whole 4-byte words.
+LL_MAX_TOKENS = 32
+LL_UNIT_BYTES = 8
+
+
+def ll_row_bytes(d: "DispatchLayout") -> int:
+  """Bytes of a row in LL form (an even number of units), or 0 where the row does not take the LL form."""
+  if d.x_bytes_per_token % 16 or d.x_sf_bytes_per_token % 4:
+    return 0
+  words = (d.x_bytes_per_token + d.x_sf_bytes_per_token) // 4 + 2 * d.top_k
+  return LL_UNIT_BYTES * (words + words % 2)
+
+
 def pieces(row_bytes: int) -> int:
   """Pieces of a row of `row_bytes` bytes (at least one)."""
   return max(1, -(-row_bytes // PIECE_BYTES))
@@ -219,6 +235,8 @@ class WorkspaceLayout:
   - ``recv_ready``    [num_ranks, capacity, pieces(x_bytes_per_token)] uint32: per piece of a received row, the
     epoch of the dispatch that filled it (written by the source after the piece);
   - ``combine_ready`` [num_ranks, capacity, pieces(combine bytes per token)] uint32: the same for combine rows.
+  - ``recv_ll``       [num_ranks, ll_tokens, ll_row_bytes] uint64 units: rows received in LL form (see
+    LL_MAX_TOKENS); empty where the rows do not take the LL form.
 
   Shared by all buffers:
 
@@ -231,6 +249,8 @@ class WorkspaceLayout:
     dispatch: the per-token payload layout (format, hidden, top_k).
     combine_bytes_per_token: bytes of one combine row (hidden * bytes of the combine dtype).
     num_buffers: how many alternating copies of the per-call regions exist.
+    ll_tokens: the most tokens per rank of a dispatch call that sends its rows in LL form (0: none).
+    ll_row_bytes: bytes of a row in LL form (0: none).
     regions: all regions in offset order.
     total_bytes: bytes of the whole workspace (a multiple of REGION_ALIGNMENT).
   """
@@ -240,6 +260,8 @@ class WorkspaceLayout:
   dispatch: DispatchLayout
   combine_bytes_per_token: int
   num_buffers: int
+  ll_tokens: int
+  ll_row_bytes: int
   regions: tuple[Region, ...]
   total_bytes: int
 
@@ -277,6 +299,8 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
                   combine_dtype_bytes=combine_dtype_bytes, num_buffers=num_buffers)
   d = dispatch_layout(hidden, fmt, top_k=top_k, mx_alignment=mx_alignment)
   slots = num_ranks * capacity
+  ll_row = ll_row_bytes(d)
+  ll_tokens = min(capacity, LL_MAX_TOKENS) if ll_row else 0
   per_buffer = (
       ("recv_x", slots * d.x_bytes_per_token),
       ("recv_x_sf", slots * d.x_sf_bytes_per_token),
@@ -286,6 +310,7 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
       ("combine", slots * hidden * combine_dtype_bytes),
       ("recv_ready", slots * pieces(d.x_bytes_per_token) * READY_BYTES),
       ("combine_ready", slots * pieces(hidden * combine_dtype_bytes) * READY_BYTES),
+      ("recv_ll", num_ranks * ll_tokens * ll_row),
   )
   shared = (
       ("flags", 2 * num_ranks * FLAG_BYTES),
@@ -299,4 +324,4 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
     offset = round_up(offset + size, REGION_ALIGNMENT)
   return WorkspaceLayout(num_ranks=num_ranks, capacity=capacity, dispatch=d,
                          combine_bytes_per_token=hidden * combine_dtype_bytes, num_buffers=num_buffers,
-                         regions=tuple(regions), total_bytes=offset)
+                         ll_tokens=ll_tokens, ll_row_bytes=ll_row, regions=tuple(regions), total_bytes=offset)

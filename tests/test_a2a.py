@@ -622,3 +622,12 @@ def test_combine_rejects_a_foreign_handle_and_a_resized_axis():
                               axis_name=AXIS, num_ranks=4, num_experts=4)
   with pytest.raises(ValueError, match=r"combine: axis 'ep' must have the size it had at dispatch, 4, got 2"):
     _trace(lambda x: a2a.combine(jnp.zeros((2, 3, 4), jnp.float32), handle), _X)
+
+
+def test_combine_sum_keeps_the_sign_of_zero():
+  # back [R = 2, 2 slots, 2 values]; three tokens: sent to both ranks, to rank 0 only, nowhere.
+  back = jnp.array([[[-0.0, 1.0], [-0.0, 2.0]], [[-0.0, -0.0], [5.0, -0.0]]], jnp.float32)
+  send_slot = jnp.array([[0, 0], [1, -1], [-1, -1]], jnp.int32)
+  want = np.array([[-0.0, 1.0], [-0.0, 2.0], [0.0, 0.0]], np.float32).view(np.uint32)
+  for fn in (a2a._sum_from_slots, jax.jit(a2a._sum_from_slots)):  # pylint: disable=protected-access
+    np.testing.assert_array_equal(np.asarray(fn(back, send_slot)).view(np.uint32), want)

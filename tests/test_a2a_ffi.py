@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_moe_a2a import _ffi, a2a, quant
+from jax_moe_a2a import _ffi, a2a, layout, quant
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 AXIS = "ep"
@@ -117,6 +117,25 @@ def test_fp8_wire_and_a_capacity_larger_than_the_call(hidden):
     got = _run(mesh, ws, x_q, x_sf, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
     want = _run(mesh, None, x_q, x_sf, ids, weights, num_experts, "reference", combine_dtype=jnp.float32)
   _assert_outputs_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt,hidden", [("bf16", 96), ("fp8_blockwise", 512)])
+def test_small_calls_in_ll_form_and_larger_ones_in_pieces_share_a_workspace(fmt, hidden):
+  """On GPUs a call of at most layout.LL_MAX_TOKENS tokens sends its rows in LL form, a larger one in fenced pieces;
+  calls of both kinds follow each other on one workspace (its two buffers alternate between them)."""
+  mesh = _mesh()
+  num_ranks, top_k = mesh.shape[AXIS], 4
+  num_experts = 2 * num_ranks
+  capacity = layout.LL_MAX_TOKENS + 9
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=capacity, hidden=hidden, top_k=top_k, fmt=fmt,
+                     combine_dtype=jnp.float32, timeout_s=20) as ws:
+    assert ws.layout.ll_tokens == layout.LL_MAX_TOKENS
+    for i, num_tokens in enumerate([capacity, 3, layout.LL_MAX_TOKENS, capacity, 1]):
+      x, x_sf, ids, weights = _inputs(mesh, 50 + i, num_tokens, hidden, top_k, num_experts, "invalid", fmt=fmt)
+      got = _run(mesh, ws, x, x_sf, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
+      want = _run(mesh, None, x, x_sf, ids, weights, num_experts, "reference", combine_dtype=jnp.float32)
+      _assert_outputs_equal(got, want)
+    ws.check()
 
 
 @pytest.mark.parametrize("fmt,hidden", [("bf16", 1096), ("fp8_blockwise", 2176)])

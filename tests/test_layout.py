@@ -12,7 +12,7 @@ from jax_moe_a2a.layout import REGION_ALIGNMENT, dispatch_layout, pieces, worksp
 
 SUPPORTED = ("bf16", "fp8_blockwise", "mxfp8", "nvfp4")
 PER_BUFFER = ("recv_x", "recv_x_sf", "recv_topk_ids", "recv_topk_weights", "recv_counts", "combine", "recv_ready",
-              "combine_ready")
+              "combine_ready", "recv_ll")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Constants and helpers
@@ -194,11 +194,12 @@ def test_bad_top_k(top_k):
 # num_ranks=2, capacity=3, hidden=256, top_k=2, fp8_blockwise, bf16 combine (6 slots):
 #   recv_x 6*256 = 1536, recv_x_sf 6*8 = 48, recv_topk_ids 6*8 = 48, recv_topk_weights 48, recv_counts 2*8 = 16,
 #   combine 6*256*2 = 3072, recv_ready 6*1*4 = 24 (256-byte rows: one piece), combine_ready 6*1*4 = 24;
+#   recv_ll: 3 tokens (< LL_MAX_TOKENS) of (256 + 8) / 4 + 2 * 2 = 70 words, 8 bytes each: 2*3*560 = 3360;
 #   flags 2*2*8 = 32; sync 2*4*8 = 64.
 # Offsets: each next offset is round_up(previous end, 128):
 #   0 +1536 -> 1536 +48 -> 1584 => 1664 +48 -> 1712 => 1792 +48 -> 1840 => 1920 +16 -> 1936 => 2048
-#   +3072 -> 5120 +24 -> 5144 => 5248 +24 -> 5272 => 5376 (buffer stride 5376) ... buf1.combine 7424 +3072 ->
-#   10496; buf1.recv_ready => 10624 => 10752; flags 10752 +32 => 10880; sync 10880 +64 -> 10944 => 11008 = total.
+#   +3072 -> 5120 +24 -> 5144 => 5248 +24 -> 5272 => 5376 +3360 -> 8736 => 8832 (buffer stride 8832) ...
+#   buf1.recv_ll 14208 +3360 -> 17568 => 17664; flags 17664 +32 => 17792; sync 17792 +64 -> 17856 => 17920 = total.
 FP8_CASE = dict(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise")
 FP8_CASE_REGIONS = [
     ("buf0.recv_x", 0, 1536),
@@ -209,23 +210,26 @@ FP8_CASE_REGIONS = [
     ("buf0.combine", 2048, 3072),
     ("buf0.recv_ready", 5120, 24),
     ("buf0.combine_ready", 5248, 24),
-    ("buf1.recv_x", 5376, 1536),
-    ("buf1.recv_x_sf", 6912, 48),
-    ("buf1.recv_topk_ids", 7040, 48),
-    ("buf1.recv_topk_weights", 7168, 48),
-    ("buf1.recv_counts", 7296, 16),
-    ("buf1.combine", 7424, 3072),
-    ("buf1.recv_ready", 10496, 24),
-    ("buf1.combine_ready", 10624, 24),
-    ("flags", 10752, 32),
-    ("sync", 10880, 64),
+    ("buf0.recv_ll", 5376, 3360),
+    ("buf1.recv_x", 8832, 1536),
+    ("buf1.recv_x_sf", 10368, 48),
+    ("buf1.recv_topk_ids", 10496, 48),
+    ("buf1.recv_topk_weights", 10624, 48),
+    ("buf1.recv_counts", 10752, 16),
+    ("buf1.combine", 10880, 3072),
+    ("buf1.recv_ready", 13952, 24),
+    ("buf1.combine_ready", 14080, 24),
+    ("buf1.recv_ll", 14208, 3360),
+    ("flags", 17664, 32),
+    ("sync", 17792, 64),
 ]
 
 
 def test_workspace_hand_computed_fp8():
   ws = workspace_layout(**FP8_CASE)
   assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS
-  assert ws.total_bytes == 11008
+  assert ws.total_bytes == 17920
+  assert ws.ll_tokens == 3 and ws.ll_row_bytes == 560
   assert ws.num_ranks == 2
   assert ws.capacity == 3
   assert ws.num_buffers == 2
@@ -248,8 +252,8 @@ def test_workspace_region_lookup():
   r = ws.region("buf0.combine")
   assert (r.name, r.offset, r.size, r.end) == ("buf0.combine", 2048, 3072, 5120)
   r = ws.region("sync")
-  assert (r.offset, r.size, r.end) == (10880, 64, 10944)
-  assert ws.region("flags").offset == 10752
+  assert (r.offset, r.size, r.end) == (17792, 64, 17856)
+  assert ws.region("flags").offset == 17664
   assert ws.region("buf1.recv_counts").size == 16
 
 
@@ -267,24 +271,24 @@ def test_workspace_buf1_mirrors_buf0_at_constant_stride():
   for name in PER_BUFFER:
     r0, r1 = ws.region(f"buf0.{name}"), ws.region(f"buf1.{name}")
     assert r1.size == r0.size
-    assert r1.offset - r0.offset == 5376
+    assert r1.offset - r0.offset == 8832
 
 
 def test_workspace_three_buffers_constant_stride():
   ws = workspace_layout(**FP8_CASE, num_buffers=3)
   for name in PER_BUFFER:
-    assert [ws.region(f"buf{b}.{name}").offset - ws.region(f"buf0.{name}").offset for b in range(3)] == [0, 5376, 10752]
-  assert ws.region("flags").offset == 16128
-  assert ws.region("sync").offset == 16256
-  assert ws.total_bytes == 16384
+    assert [ws.region(f"buf{b}.{name}").offset - ws.region(f"buf0.{name}").offset for b in range(3)] == [0, 8832, 17664]
+  assert ws.region("flags").offset == 26496
+  assert ws.region("sync").offset == 26624
+  assert ws.total_bytes == 26752
 
 
 def test_workspace_single_buffer():
-  # buf0 as above; flags at 5376 (+32 -> 5408 => 5504); sync at 5504 (+64 -> 5568 => 5632).
+  # buf0 as above; flags at 8832 (+32 -> 8864 => 8960); sync at 8960 (+64 -> 9024 => 9088).
   ws = workspace_layout(**FP8_CASE, num_buffers=1)
-  assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS[:8] + [
-      ("flags", 5376, 32), ("sync", 5504, 64)]
-  assert ws.total_bytes == 5632
+  assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS[:9] + [
+      ("flags", 8832, 32), ("sync", 8960, 64)]
+  assert ws.total_bytes == 9088
   assert ws.num_buffers == 1
   assert not any(r.name.startswith("buf1.") for r in ws.regions)
   with pytest.raises(KeyError, match="no region 'buf1.recv_x'"):
@@ -298,14 +302,15 @@ def test_workspace_combine_dtype_bytes_4_doubles_combine():
   assert ws4.region("buf0.combine").size == 6144
   assert ws4.region("buf1.combine").size == 6144
   assert ws4.combine_bytes_per_token == 1024
-  # combine at 2048 now ends at 8192; the ready regions follow (1024-byte rows: still one piece): buffer stride
-  # 8448; buf1.combine 10496 -> 16640; buf1 ready regions 16640, 16768; flags 16896; sync 17024 +64 => 17152.
+  # combine at 2048 now ends at 8192; the ready regions follow (1024-byte rows: still one piece), then recv_ll at
+  # 8448 (+3360 -> 11808): buffer stride 11904; buf1.combine 13952; flags 23808; sync 23936 +64 => 24064.
   assert ws4.region("buf0.combine_ready").size == 24
-  assert ws4.region("buf1.recv_x").offset == 8448
-  assert ws4.region("buf1.combine").offset == 10496
-  assert ws4.region("flags").offset == 16896
-  assert ws4.region("sync").offset == 17024
-  assert ws4.total_bytes == 17152
+  assert ws4.region("buf0.recv_ll").offset == 8448
+  assert ws4.region("buf1.recv_x").offset == 11904
+  assert ws4.region("buf1.combine").offset == 13952
+  assert ws4.region("flags").offset == 23808
+  assert ws4.region("sync").offset == 23936
+  assert ws4.total_bytes == 24064
   # Nothing in front of combine moves.
   for name in PER_BUFFER[:PER_BUFFER.index("combine")]:
     assert ws4.region(f"buf0.{name}") == ws2.region(f"buf0.{name}")
@@ -330,7 +335,8 @@ def test_piece_size_is_the_one_the_kernels_use():
 def test_workspace_hand_computed_bf16_zero_size_scale_region():
   # bf16: recv_x 6*512 = 3072 at 0; recv_x_sf is empty at 3072 and the next region starts there too;
   # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +16 => 3456; combine 3456 +3072 -> 6528 (= 51*128);
-  # ready regions 6528 +24 => 6656 +24 => 6784 (the buffer stride); flags 13568; sync 13696 +64 => 13824.
+  # ready regions 6528 +24 => 6656 +24 => 6784; recv_ll 2*3*(512 / 4 + 2 * 2 = 132 words * 8) = 6336 -> 13120 =>
+  # 13184 (the buffer stride); flags 26368; sync 26496 +64 => 26624.
   ws = workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="bf16")
   expected = [
       ("buf0.recv_x", 0, 3072),
@@ -341,10 +347,11 @@ def test_workspace_hand_computed_bf16_zero_size_scale_region():
       ("buf0.combine", 3456, 3072),
   ]
   assert [(r.name, r.offset, r.size) for r in ws.regions[:6]] == expected
-  assert ws.region("buf1.recv_x").offset == 6784
-  assert ws.region("flags").offset == 13568
-  assert ws.region("sync").offset == 13696
-  assert ws.total_bytes == 13824
+  assert ws.region("buf0.recv_ll").offset == 6784 and ws.ll_row_bytes == 1056
+  assert ws.region("buf1.recv_x").offset == 13184
+  assert ws.region("flags").offset == 26368
+  assert ws.region("sync").offset == 26496
+  assert ws.total_bytes == 26624
 
 
 def test_workspace_shared_regions_scale_with_ranks():
@@ -433,3 +440,21 @@ def test_workspace_propagates_format_errors():
     workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="int8")
   with pytest.raises(ValueError, match="mx_alignment applies to mxfp8 only"):
     workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="bf16", mx_alignment=128)
+
+
+def test_workspace_ll_region_holds_small_calls_in_8_byte_units():
+  # DeepSeek-V3 rows: (7168 + 224) / 4 + 2 * 8 = 1864 words of x, scales, ids and weights, 8 bytes each.
+  ws = workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
+  assert ws.ll_tokens == layout.LL_MAX_TOKENS == 32
+  assert ws.ll_row_bytes == 14912
+  assert ws.region("buf0.recv_ll").size == ws.region("buf1.recv_ll").size == 2 * 32 * 14912
+  # Fewer tokens than LL_MAX_TOKENS: all of them; an odd word count is rounded up to whole 16-byte unit pairs.
+  ws = workspace_layout(num_ranks=4, capacity=5, hidden=256, top_k=3, fmt="bf16")
+  assert (ws.ll_tokens, ws.ll_row_bytes) == (5, 8 * (128 + 6))
+  assert ws.region("buf0.recv_ll").size == 4 * 5 * 8 * 134
+  # 384 FP8 bytes (96 words), 3 scales, 1 id and 1 weight: 101 words, one more unit pads the row to 816 bytes.
+  ws = workspace_layout(num_ranks=4, capacity=5, hidden=384, top_k=1, fmt="fp8_blockwise")
+  assert ws.ll_row_bytes == 816
+  # An x row that is not whole 16-byte vectors does not take the LL form: the region is empty.
+  ws = workspace_layout(num_ranks=2, capacity=5, hidden=100, top_k=2, fmt="bf16")
+  assert (ws.ll_tokens, ws.ll_row_bytes, ws.region("buf0.recv_ll").size) == (0, 0, 0)

@@ -16,7 +16,8 @@
 //        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
 //   python3 -c 'from jax_moe_a2a import layout as L
 //   w = L.workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
-//   print("ranks 2 capacity 4096 total", w.total_bytes, *(f"{r.name} {r.offset}" for r in w.regions))' |
+//   print("ranks 2 capacity 4096 total", w.total_bytes, *(f"{r.name} {r.offset}" for r in w.regions),
+//         "ll_tokens", w.ll_tokens, "ll_row_bytes", w.ll_row_bytes)' |
 //   ./a2a_latency [--sets N] [tokens ...]
 #include <cuda_runtime.h>
 
@@ -50,11 +51,13 @@ constexpr int64_t kXRow = kHidden, kSfRow = kHidden / 128 * 4, kCombineRow = kHi
 constexpr int kCalls = 200, kRuns = 20, kWarmup = 3;
 
 // Byte offsets in each rank's block, as jax_moe_a2a.layout.workspace_layout computes them (read from stdin: a first
-// line "ranks R capacity C total BYTES", then one "name offset" line per region).
+// line "ranks R capacity C total BYTES", then one "name offset" line per region, then "ll_tokens N" and
+// "ll_row_bytes N").
 struct Layout {
   int ranks = 0;
   int64_t capacity = 0, total = 0;
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, off_combine, off_combine_ready, stride;
+  int64_t off_ll, ll_tokens, ll_row;
   int64_t off_flags, off_sync;
 
   static Layout Read(std::FILE* in) {
@@ -89,6 +92,9 @@ struct Layout {
     lay.stride = get("buf1.recv_x") - lay.off_x;
     lay.off_flags = get("flags");
     lay.off_sync = get("sync");
+    lay.off_ll = get("buf0.recv_ll");
+    lay.ll_tokens = get("ll_tokens");
+    lay.ll_row = get("ll_row_bytes");
     return lay;
   }
 };
@@ -355,6 +361,9 @@ int main(int argc, char** argv) {
       p.off_weights = lay.off_weights;
       p.off_counts = lay.off_counts;
       p.off_ready = lay.off_ready;
+      p.off_ll = lay.off_ll;
+      p.ll_tokens = lay.ll_tokens;
+      p.ll_row = lay.ll_row;
       p.signature = 1;
       CK(jax_moe_a2a::LaunchDispatch(ranks[g].stream, ranks[g].num_sms, p));
     };

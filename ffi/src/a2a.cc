@@ -13,6 +13,7 @@
 //   - Receive side: rows j < count[s] are copied from the workspace to the outputs; padding rows get zero bits,
 //     ids -1 and weights 0.0, as the twin defines.
 //   - Combine sums, per token, float32(row from rank r) over r = 0, 1, ..., R-1 in that order, starting at +0.0.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -51,7 +52,15 @@ struct DispatchGeometry {
   int64_t x_row, sf_row;  // bytes
   // Workspace byte offsets of buffer 0; buffer b adds b * buffer_stride.
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
+  int64_t off_ll, ll_tokens;  // LL rows: calls of at most ll_tokens tokens (layout.LL_MAX_TOKENS)
 };
+
+// Bytes of a row in LL form, as layout.ll_row_bytes computes them (0: the row does not take the LL form).
+int64_t LLRowBytes(const DispatchGeometry& g) {
+  if (g.x_row % 16 != 0 || g.sf_row % 4 != 0) return 0;
+  const int64_t words = (g.x_row + g.sf_row) / 4 + 2 * g.top_k;
+  return 8 * (words + words % 2);
+}
 
 ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
                          const ffi::Buffer<ffi::F32>& weights, const ffi::AnyBuffer& recv_x,
@@ -120,7 +129,8 @@ int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   const int64_t slots = g.num_ranks * g.capacity;
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
-                          g.off_counts + g.num_ranks * 8, g.off_ready + slots * Pieces(g.x_row) * 4});
+                          g.off_counts + g.num_ranks * 8, g.off_ready + slots * Pieces(g.x_row) * 4,
+                          g.off_ll + g.num_ranks * g.ll_tokens * LLRowBytes(g)});
   return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
@@ -144,6 +154,10 @@ ffi::Error PrepareDispatch(int32_t device, const ffi::AnyBuffer& x, const ffi::A
     return e;
   if (cuda && g->num_ranks > kMaxRanks) {
     return InvalidArg(kDispatchOp, "num_ranks", "<= " + std::to_string(kMaxRanks) + " on GPUs", g->num_ranks);
+  }
+  if (g->ll_tokens < 0 || g->ll_tokens > g->capacity) {
+    return InvalidArg(kDispatchOp, "ll_tokens", "in [0, capacity = " + std::to_string(g->capacity) + "]",
+                      g->ll_tokens);
   }
   return ResolveCallSite(kDispatchOp, workspace, device, g->num_ranks, DispatchNeededBytes(*g), cuda, site);
 }
@@ -176,11 +190,11 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                           int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_flags,
-                           int64_t off_ids, int64_t off_ready, int64_t off_sync, int64_t off_weights,
-                           int64_t off_x, int64_t off_x_sf, int64_t workspace) {
+                           int64_t ll_tokens, int64_t num_experts, int64_t num_ranks, int64_t off_counts,
+                           int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready, int64_t off_sync,
+                           int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync};
+                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/false, &g, &site);
@@ -390,7 +404,9 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
   std::vector<float> acc(g.hidden);
   for (int64_t t = 0; t < t_count; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    // From -0.0, the exact additive identity; +0.0 for a token sent nowhere (the twin's contract).
+    const bool sent = std::any_of(slot + t * num_ranks, slot + (t + 1) * num_ranks, [](int32_t j) { return j >= 0; });
+    std::fill(acc.begin(), acc.end(), sent ? -0.0f : 0.0f);
     for (int64_t r = 0; r < num_ranks; ++r) {
       const int32_t j = slot[t * num_ranks + r];
       if (j < 0) continue;
@@ -446,11 +462,11 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                            int64_t num_experts, int64_t num_ranks, int64_t off_counts, int64_t off_flags,
-                            int64_t off_ids, int64_t off_ready, int64_t off_sync, int64_t off_weights,
-                            int64_t off_x, int64_t off_x_sf, int64_t workspace) {
+                            int64_t ll_tokens, int64_t num_experts, int64_t num_ranks, int64_t off_counts,
+                            int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready, int64_t off_sync,
+                            int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync};
+                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/true, &g, &site);
@@ -484,6 +500,9 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.off_weights = g.off_weights;
   p.off_counts = g.off_counts;
   p.off_ready = g.off_ready;
+  p.off_ll = g.off_ll;
+  p.ll_tokens = g.ll_tokens;
+  p.ll_row = LLRowBytes(g);
   p.buffer_stride = g.buffer_stride;
   p.off_flags = g.off_flags;
   p.off_sync = g.off_sync;
@@ -555,11 +574,13 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */      \
       .Attr<int64_t>("buffer_stride")                                     \
       .Attr<int64_t>("capacity")                                          \
+      .Attr<int64_t>("ll_tokens")                                         \
       .Attr<int64_t>("num_experts")                                       \
       .Attr<int64_t>("num_ranks")                                         \
       .Attr<int64_t>("off_counts")                                        \
       .Attr<int64_t>("off_flags")                                         \
       .Attr<int64_t>("off_ids")                                           \
+      .Attr<int64_t>("off_ll")                                            \
       .Attr<int64_t>("off_ready")                                         \
       .Attr<int64_t>("off_sync")                                          \
       .Attr<int64_t>("off_weights")                                       \

@@ -18,8 +18,8 @@
 //     piece's scales, ids and weights); slots past a source's count are padded.
 //   - Combine senders return the expert rows to their sources, items in slot order across every sender warp;
 //     block 0 posts the op flag first. Reducers take two tokens per block at a time, wait for the ready words of
-//     the pieces their threads read, and sum over ranks in ascending order in float32; rows of this rank are read
-//     in place.
+//     the pieces their threads read, and sum over ranks in ascending order in float32 from -0.0 (+0.0 for a token
+//     sent nowhere); rows of this rank are read in place.
 //   - Receivers wait only on peers' senders, and senders wait on nothing: no block waits on its own grid.
 //   - The epoch of each op lives in device memory; only the kernel advances it (its last block), so the launches
 //     can be captured in a CUDA graph and replayed. Call e uses buffer e & 1: receive regions, count words and
@@ -316,6 +316,48 @@ struct RowMeta {
   }
 };
 
+// LL form (small calls): word w of a row -- its x, then its scales, ids and weights, 4 bytes each -- travels as unit
+// w of its LL row, (epoch << 32) | word, written by one 64-bit store (a vector store's elements are single-copy
+// atomic each), so a receiver that reads a unit of its own epoch has the word: no fence, no ready word. Every rank
+// decides alike from the call's shapes and the workspace: the senders' choice is the receivers' format.
+__device__ __forceinline__ bool UsesLL(const DispatchParams& p) {
+  return p.num_tokens <= p.ll_tokens && p.ll_row > 0 && p.x_row % 16 == 0 && p.sf_row % 4 == 0;
+}
+
+__device__ __forceinline__ uint64_t* LLRow(const DispatchParams& p, uint8_t* region, int64_t source, int64_t slot) {
+  return reinterpret_cast<uint64_t*>(region + p.off_ll + (source * p.ll_tokens + slot) * p.ll_row);
+}
+
+__device__ __forceinline__ void StoreUnits(uint64_t* at, uint4 v, uint32_t e) {
+  const uint64_t hi = static_cast<uint64_t>(e) << 32;
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(at), "l"(hi | v.x), "l"(hi | v.y) : "memory");
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(at + 2), "l"(hi | v.z), "l"(hi | v.w) : "memory");
+}
+
+__device__ __forceinline__ void StoreUnit(uint64_t* at, uint32_t word, uint32_t e) {
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(at), "l"((static_cast<uint64_t>(e) << 32) | word) : "memory");
+}
+
+// Loads the 4 units at `at`; true (and their words in v) when all 4 are of epoch e.
+__device__ __forceinline__ bool LoadUnits(const uint64_t* at, uint32_t e, uint4& v) {
+  uint64_t a, b, c, d;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(at) : "memory");
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(c), "=l"(d) : "l"(at + 2) : "memory");
+  v = make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c),
+                 static_cast<uint32_t>(d));
+  return (a >> 32) == e && (b >> 32) == e && (c >> 32) == e && (d >> 32) == e;
+}
+
+// Word k of a row's scales, ids and weights (after its x) as rank r receives it.
+__device__ __forceinline__ uint32_t MetaWord(const DispatchParams& p, int64_t t, int64_t k, int r, int local) {
+  const int64_t sf_words = p.sf_row / 4;
+  if (k < sf_words) return reinterpret_cast<const uint32_t*>(p.x_sf + t * p.sf_row)[k];
+  k -= sf_words;
+  const int32_t id = LocalExpert(p.ids[t * p.top_k + k % p.top_k], r, local, static_cast<int>(p.num_experts));
+  if (k < p.top_k) return static_cast<uint32_t>(id);
+  return id < 0 ? 0u : __float_as_uint(p.weights[t * p.top_k + k - p.top_k]);
+}
+
 // A sender warp's items whose ready words are still to be raised. Items of one piece are fenced in pairs: a fence
 // waits until the warp's stores have reached the peers, so the second piece's stores go out before that wait rather
 // than after it (3 us less per dispatch at 512 tokens on two H200s). Whole rows are fenced one by one, so that
@@ -399,7 +441,7 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
   // fewer, larger items need fewer fences (one per item and warp).
   const int64_t pieces = Pieces(p.x_row);
   const int64_t group = (end - begin) >= 2 * kWarps ? pieces : 1, per_token = pieces / group;
-  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.x_sf, p.recv_sf);
+  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.x_sf, p.recv_sf), ll = UsesLL(p);
   const int64_t items = (end - begin) * per_token;
   FencedReady pending;
   for (int64_t item = warp; item < items; item += kWarps) {
@@ -428,6 +470,18 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
         }
         for (int r = 0; r < p.num_ranks; ++r) {
           if (slots[r] < 0) continue;
+          if (ll && r != p.me) {  // a peer's row in LL form
+            uint64_t* units = LLRow(p, p.peers.base[r] + buf, p.me, slots[r]);
+#pragma unroll
+            for (int i = 0; i < kSendInFlight; ++i) {
+#pragma unroll
+              for (int u = 0; u < kVec; ++u) {
+                const int64_t o = (q + i) * kPieceBytes + (u * 32 + lane) * 16;
+                if (q + i < first + group && o < p.x_row) StoreUnits(units + o / 4, v[i][u], static_cast<uint32_t>(e));
+              }
+            }
+            continue;
+          }
           to_peer |= r != p.me;
           uint8_t* dst = x_of(r) + row_of(r) * p.x_row;
 #pragma unroll
@@ -454,6 +508,13 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
       for (int r = 0; r < p.num_ranks; ++r) {
         if (slots[r] < 0) continue;
         const bool self = r == p.me;
+        if (ll && !self) {
+          uint64_t* units = LLRow(p, p.peers.base[r] + buf, p.me, slots[r]) + p.x_row / 4;
+          for (int64_t k = lane; k < p.sf_row / 4 + 2 * p.top_k; k += 32) {
+            StoreUnit(units + k, MetaWord(p, t, k, r, local), static_cast<uint32_t>(e));
+          }
+          continue;
+        }
         uint8_t* dst = p.peers.base[r] + buf;
         const int64_t row = row_of(r);
         uint8_t* dst_sf = self ? p.recv_sf : dst + p.off_sf;
@@ -506,6 +567,63 @@ __device__ __forceinline__ void WarpCopyTwoPieces(uint8_t* dst0, const uint8_t* 
   }
 }
 
+// Takes piece `piece` of an LL row (and with the first piece the row's scales, ids and weights) into output row o as
+// its units arrive: each lane polls up to kVec 16-byte vectors of the piece at once. Warp-uniform; false when the
+// wait gave up (the failure is recorded; `src` is the source waited for).
+__device__ bool ReceiveLL(const DispatchParams& p, const uint64_t* units, int64_t o, int64_t piece, uint32_t e, int src,
+                          const Waiter& w, int lane) {
+  constexpr int kVec = kPieceBytes / (32 * 16);
+  const int64_t at = piece * kPieceBytes;
+  int64_t t0 = 0;
+  auto keep_waiting = [&] {
+    if (t0 == 0) t0 = GlobalTimerNs();
+    if (w.Aborted()) return false;
+    if (GlobalTimerNs() - t0 <= w.timeout_ns) return true;
+    Fail(w.abort, w.error, kErrorTimeoutBase + src);
+    return false;
+  };
+  bool ok = true;
+  unsigned missing = 0;
+#pragma unroll
+  for (int u = 0; u < kVec; ++u) {
+    if (at + (u * 32 + lane) * 16 < min(at + kPieceBytes, p.x_row)) missing |= 1u << u;
+  }
+  while (ok && missing != 0) {
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      if (!(missing & (1u << u))) continue;
+      const int64_t off = at + (u * 32 + lane) * 16;
+      uint4 v;
+      if (LoadUnits(units + off / 4, e, v)) {
+        *reinterpret_cast<uint4*>(p.recv_x + o * p.x_row + off) = v;
+        missing &= ~(1u << u);
+      }
+    }
+    if (missing != 0) ok = keep_waiting();
+  }
+  if (piece == 0) {
+    const int64_t sf_words = p.sf_row / 4;
+    for (int64_t k = lane; ok && k < sf_words + 2 * p.top_k; k += 32) {
+      uint64_t unit;
+      for (;;) {
+        asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(unit) : "l"(units + p.x_row / 4 + k) : "memory");
+        if ((unit >> 32) == e) break;
+        if (!(ok = keep_waiting())) break;
+      }
+      if (!ok) break;
+      const uint32_t word = static_cast<uint32_t>(unit);
+      if (k < sf_words) {
+        reinterpret_cast<uint32_t*>(p.recv_sf + o * p.sf_row)[k] = word;
+      } else if (k < sf_words + p.top_k) {
+        p.recv_ids[o * p.top_k + k - sf_words] = static_cast<int32_t>(word);
+      } else {
+        p.recv_weights[o * p.top_k + k - sf_words - p.top_k] = __uint_as_float(word);
+      }
+    }
+  }
+  return __all_sync(0xFFFFFFFFu, ok);
+}
+
 // Receivers: after every source's op flag (and so its counts), receive warp g of G takes the items g, g + G,
 // g + 2G, ... of the (source, slot, piece) sequence, 32 at a time: lane i polls the ready word of the i-th, and the
 // warp copies every piece that has landed (two at once), pads slots past a count, skips this rank's own
@@ -532,6 +650,32 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
     j = o - s * p.num_tokens;
     filled = j < min(static_cast<int64_t>(counts[s]), p.num_tokens);
   };
+  // Padding: piece `piece` of output row o, and with its first piece the row's scales, ids (-1) and weights.
+  auto pad = [&](int64_t o, int64_t piece) {
+    const int64_t at = piece * kPieceBytes;
+    WarpZero(p.recv_x + o * p.x_row + at, min(kPieceBytes, p.x_row - at), lane);
+    if (piece != 0) return;
+    WarpZero(p.recv_sf + o * p.sf_row, p.sf_row, lane);
+    for (int64_t k = lane; k < p.top_k; k += 32) {
+      p.recv_ids[o * p.top_k + k] = -1;
+      p.recv_weights[o * p.top_k + k] = 0.0f;
+    }
+  };
+  if (UsesLL(p)) {
+    // Warp g takes the items g, g + G, ...: a peer's piece is taken from its LL row as its units arrive.
+    for (int64_t item = g; item < items; item += warps) {
+      int64_t o, s, j, piece;
+      bool filled;
+      where(item, o, s, j, piece, filled);
+      if (!filled) {
+        pad(o, piece);
+      } else if (s != p.me && !ReceiveLL(p, LLRow(p, mine + buf, s, j), o, piece, static_cast<uint32_t>(e),
+                                         static_cast<int>(s), w, lane)) {
+        return;
+      }
+    }
+    return;
+  }
   for (int64_t round = 0; g + round * 32 * warps < items; ++round) {
     const int64_t item = g + (round * 32 + lane) * warps;
     int src = 0;
@@ -579,13 +723,7 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
             where(g + (round * 32 + b) * warps, o, s, j, piece, filled);
             const int64_t at = piece * kPieceBytes, nbytes = min(kPieceBytes, p.x_row - at);
             if (!filled) {
-              WarpZero(p.recv_x + o * p.x_row + at, nbytes, lane);
-              if (piece != 0) continue;
-              WarpZero(p.recv_sf + o * p.sf_row, p.sf_row, lane);
-              for (int64_t k = lane; k < p.top_k; k += 32) {
-                p.recv_ids[o * p.top_k + k] = -1;
-                p.recv_weights[o * p.top_k + k] = 0.0f;
-              }
+              pad(o, piece);
               continue;
             }
             const int64_t r = s * p.capacity + j;
@@ -754,12 +892,15 @@ __device__ void CombineReduce(const CombineParams& p, uint64_t e, int64_t buf, u
   const int64_t reducers = gridDim.x - p.senders;
   for (int64_t t = (blockIdx.x - p.senders) * kReduceTokens + sub; t < p.num_tokens; t += reducers * kReduceTokens) {
     const int32_t* slots = p.send_slot + t * p.num_ranks;
+    // The sum starts at -0.0, the exact additive identity; a token sent nowhere gets +0.0 (the twin's contract).
+    bool sent = false;
+    for (int r = 0; r < p.num_ranks; ++r) sent |= slots[r] >= 0;
     for (int64_t h0 = tid * 8; h0 < p.hidden; h0 += kReduceVecs * kStep) {
       float acc[kReduceVecs][8];
 #pragma unroll
       for (int k = 0; k < kReduceVecs; ++k) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc[k][u] = 0.0f;
+        for (int u = 0; u < 8; ++u) acc[k][u] = sent ? -0.0f : 0.0f;
       }
       for (int r = 0; r < p.num_ranks; ++r) {
         const int32_t slot = slots[r];

@@ -28,6 +28,9 @@ struct DispatchParams {
   int32_t* recv_counts;
   int32_t* send_slot;
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
+  // LL form (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens send peers their rows as ll_row-byte rows of
+  // 8-byte units at off_ll; ll_tokens 0: never.
+  int64_t off_ll, ll_tokens, ll_row;
   int64_t timeout_ns;
   int senders;  // blocks [0, senders) of the grid send, the rest receive (set by the launcher)
   uint32_t signature;  // 16 bits: a hash of the call's shapes, equal on every rank of a correct program
