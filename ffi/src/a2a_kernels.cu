@@ -16,6 +16,10 @@
 //     for every source's op flag and count word, then each warp polls the ready words of 32 of its (source, slot,
 //     piece) items at a time and copies whichever pieces have landed to the outputs, two at a time (with a first
 //     piece's scales, ids and weights); slots past a source's count are padded.
+//   - Small dispatch calls (p.ll_tokens, layout.LL_MAX_TOKENS) send peers their rows in LL form instead: every
+//     4-byte word with the epoch in one 8-byte unit, so neither a fence nor a ready word stands between a store
+//     and its use; twice the bytes on the wire, which pays below ~32-128 tokens on two H200s. Each receive warp
+//     polls the units of its (source, slot, piece) items until they carry its epoch.
 //   - Combine senders return the expert rows to their sources, items in slot order across every sender warp;
 //     block 0 posts the op flag first. Reducers take two tokens per block at a time, wait for the ready words of
 //     the pieces their threads read, and sum over ranks in ascending order in float32 from -0.0 (+0.0 for a token
