@@ -684,7 +684,8 @@ class Workspace:
     if op == "dispatch":
       common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],
                     off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"],
-                    off_ready=off["buf0.recv_ready"], off_ll=off["buf0.recv_ll"], ll_tokens=self.layout.ll_tokens)
+                    off_ready=off["buf0.recv_ready"], off_ll=off["buf0.recv_ll"], ll_tokens=self.layout.ll_tokens,
+                    ll_row_bytes=self.layout.ll_row_bytes)
     else:
       common.update(off_combine=off["buf0.combine"], off_ready=off["buf0.combine_ready"])
     return {k: np.int64(v) for k, v in common.items()}

@@ -52,15 +52,9 @@ struct DispatchGeometry {
   int64_t x_row, sf_row;  // bytes
   // Workspace byte offsets of buffer 0; buffer b adds b * buffer_stride.
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
-  int64_t off_ll, ll_tokens;  // LL rows: calls of at most ll_tokens tokens (layout.LL_MAX_TOKENS)
+  // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, rows of ll_row bytes (layout.ll_row_bytes).
+  int64_t off_ll, ll_tokens, ll_row;
 };
-
-// Bytes of a row in LL form, as layout.ll_row_bytes computes them (0: the row does not take the LL form).
-int64_t LLRowBytes(const DispatchGeometry& g) {
-  if (g.x_row % 16 != 0 || g.sf_row % 4 != 0) return 0;
-  const int64_t words = (g.x_row + g.sf_row) / 4 + 2 * g.top_k;
-  return 8 * (words + words % 2);
-}
 
 ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
                          const ffi::Buffer<ffi::F32>& weights, const ffi::AnyBuffer& recv_x,
@@ -130,7 +124,7 @@ int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
                           g.off_counts + g.num_ranks * 8, g.off_ready + slots * Pieces(g.x_row) * 4,
-                          g.off_ll + g.num_ranks * g.ll_tokens * LLRowBytes(g)});
+                          g.off_ll + g.num_ranks * g.ll_tokens * g.ll_row});
   return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
 }
 
@@ -158,6 +152,11 @@ ffi::Error PrepareDispatch(int32_t device, const ffi::AnyBuffer& x, const ffi::A
   if (g->ll_tokens < 0 || g->ll_tokens > g->capacity) {
     return InvalidArg(kDispatchOp, "ll_tokens", "in [0, capacity = " + std::to_string(g->capacity) + "]",
                       g->ll_tokens);
+  }
+  // Each 4 bytes of a row (x, scales, ids, weights) take an 8-byte unit in LL form.
+  const int64_t ll_min = 2 * (g->x_row + g->sf_row + 8 * g->top_k);
+  if (g->ll_tokens > 0 && (g->ll_row < ll_min || g->ll_row % 16 != 0)) {
+    return InvalidArg(kDispatchOp, "ll_row_bytes", "a multiple of 16, >= " + std::to_string(ll_min), g->ll_row);
   }
   return ResolveCallSite(kDispatchOp, workspace, device, g->num_ranks, DispatchNeededBytes(*g), cuda, site);
 }
@@ -190,11 +189,11 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                           int64_t ll_tokens, int64_t num_experts, int64_t num_ranks, int64_t off_counts,
-                           int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready, int64_t off_sync,
-                           int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
+                           int64_t ll_row_bytes, int64_t ll_tokens, int64_t num_experts, int64_t num_ranks,
+                           int64_t off_counts, int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready,
+                           int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens};
+                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/false, &g, &site);
@@ -462,11 +461,11 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                             ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                            int64_t ll_tokens, int64_t num_experts, int64_t num_ranks, int64_t off_counts,
-                            int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready, int64_t off_sync,
-                            int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
+                            int64_t ll_row_bytes, int64_t ll_tokens, int64_t num_experts, int64_t num_ranks,
+                            int64_t off_counts, int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready,
+                            int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens};
+                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/true, &g, &site);
@@ -502,7 +501,7 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.off_ready = g.off_ready;
   p.off_ll = g.off_ll;
   p.ll_tokens = g.ll_tokens;
-  p.ll_row = LLRowBytes(g);
+  p.ll_row = g.ll_row;
   p.buffer_stride = g.buffer_stride;
   p.off_flags = g.off_flags;
   p.off_sync = g.off_sync;
@@ -574,6 +573,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */      \
       .Attr<int64_t>("buffer_stride")                                     \
       .Attr<int64_t>("capacity")                                          \
+      .Attr<int64_t>("ll_row_bytes")                                      \
       .Attr<int64_t>("ll_tokens")                                         \
       .Attr<int64_t>("num_experts")                                       \
       .Attr<int64_t>("num_ranks")                                         \
