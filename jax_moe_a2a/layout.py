@@ -188,7 +188,7 @@ READY_BYTES = 4
 # (x, then scales, ids and weights) in an 8-byte unit with the call's epoch, so that one 64-bit store makes a unit
 # whole and the receiver needs neither a fence before it nor a ready word after it, at twice the bytes on the wire.
 # It takes rows whose x part is whole 16-byte vectors and whose scale part is whole 4-byte words.
-LL_MAX_TOKENS = 32
+LL_MAX_TOKENS = 64
 LL_UNIT_BYTES = 8
 
 

@@ -445,9 +445,9 @@ def test_workspace_propagates_format_errors():
 def test_workspace_ll_region_holds_small_calls_in_8_byte_units():
   # DeepSeek-V3 rows: (7168 + 224) / 4 + 2 * 8 = 1864 words of x, scales, ids and weights, 8 bytes each.
   ws = workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
-  assert ws.ll_tokens == layout.LL_MAX_TOKENS == 32
+  assert ws.ll_tokens == layout.LL_MAX_TOKENS == 64
   assert ws.ll_row_bytes == 14912
-  assert ws.region("buf0.recv_ll").size == ws.region("buf1.recv_ll").size == 2 * 32 * 14912
+  assert ws.region("buf0.recv_ll").size == ws.region("buf1.recv_ll").size == 2 * 64 * 14912
   # Fewer tokens than LL_MAX_TOKENS: all of them; an odd word count is rounded up to whole 16-byte unit pairs.
   ws = workspace_layout(num_ranks=4, capacity=5, hidden=256, top_k=3, fmt="bf16")
   assert (ws.ll_tokens, ws.ll_row_bytes) == (5, 8 * (128 + 6))

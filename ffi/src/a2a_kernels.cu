@@ -245,20 +245,61 @@ __device__ __forceinline__ uint64_t DestMask(const DispatchParams& p, int64_t t,
   return mask;
 }
 
-// Adds to counts[r] (shared) how many tokens of [begin, end) have a valid expert on rank r: each warp takes
-// kCountUnroll groups of 32 tokens at a time (their ids loaded together, one L2 round trip per step) and counts them
-// per rank with ballots.
-constexpr int kCountUnroll = 2;
+// DestMask of rows of 4 or 8 ids loaded as 16-byte vectors: v[1] is used only with 8.
+__device__ __forceinline__ uint64_t DestMask(const int4* v, int top_k, int num_experts, int local) {
+  uint64_t mask = 0;
+  auto add = [&](int id) {
+    if (id >= 0 && id < num_experts) mask |= uint64_t{1} << (id / local);
+  };
+  add(v[0].x), add(v[0].y), add(v[0].z), add(v[0].w);
+  if (top_k == 8) add(v[1].x), add(v[1].y), add(v[1].z), add(v[1].w);
+  return mask;
+}
 
-__device__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local, int32_t* counts) {
+// A sender block keeps the destination masks of up to kOwnMasks of its tokens, and the slots of up to kOwnSlots
+// (token, rank) pairs, in shared memory; past that it reads them from global memory.
+constexpr int kOwnMasks = 1024;
+constexpr int kOwnSlots = 2048;
+
+// Adds to counts[r] (shared) how many tokens of [0, begin) have a valid expert on rank r, and leaves the masks of
+// the tokens [begin, end) in own[t - begin] (shared) where t - begin < kOwnMasks: one pass over the ids. Warp w
+// takes the groups of 32 tokens w, w + kWarps, ..., kCountUnroll groups per step with their ids loaded together (one
+// memory round trip per step; up to kThreads tokens take one step), and counts them per rank with ballots.
+constexpr int kCountUnroll = 4;
+
+__device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local, int32_t* counts,
+                                  uint64_t* own) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int top_k = static_cast<int>(p.top_k), num_experts = static_cast<int>(p.num_experts);
+  const bool vectors = (top_k == 4 || top_k == 8) && (reinterpret_cast<uintptr_t>(p.ids) & 15) == 0;
   int32_t lo = 0, hi = 0;  // this lane's counts for ranks lane and lane + 32
-  for (int64_t c = begin + warp * 32 * kCountUnroll; c < end; c += kThreads * kCountUnroll) {
+  for (int64_t c = warp * 32; c < end; c += kThreads * kCountUnroll) {
     uint64_t mask[kCountUnroll];
+    if (vectors) {  // every id of the step loaded before any is used
+      int4 v[kCountUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kCountUnroll; ++u) {
+        const int64_t t = c + u * kThreads + lane;
+        const int4* row = reinterpret_cast<const int4*>(p.ids + t * p.top_k);
+        if (t < end) v[u][0] = row[0];
+        if (t < end && top_k == 8) v[u][1] = row[1];
+      }
+#pragma unroll
+      for (int u = 0; u < kCountUnroll; ++u) {
+        mask[u] = c + u * kThreads + lane < end ? DestMask(v[u], top_k, num_experts, local) : 0;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kCountUnroll; ++u) {
+        const int64_t t = c + u * kThreads + lane;
+        mask[u] = t < end ? DestMask(p, t, local) : 0;
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kCountUnroll; ++u) {
-      const int64_t t = c + u * 32 + lane;
-      mask[u] = t < end ? DestMask(p, t, local) : 0;
+      const int64_t t = c + u * kThreads + lane;
+      if (t >= begin && t < end && t - begin < kOwnMasks) own[t - begin] = mask[u];
+      if (t >= begin) mask[u] = 0;
     }
     for (int r = 0; r < p.num_ranks; ++r) {
       int n = 0;
@@ -409,34 +450,45 @@ constexpr int kSendInFlight = 2;
 // every destination (a row for this rank into the outputs) and raises its ready words on the peers.
 __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, int64_t buf) {
   __shared__ int32_t base[kMaxRanks];
+  __shared__ uint64_t own_masks[kOwnMasks];
+  __shared__ int32_t own_slots[kOwnSlots];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int local = static_cast<int>(p.num_experts / p.num_ranks);
   const int64_t per_block = (p.num_tokens + p.senders - 1) / p.senders;
   const int64_t begin = min(p.num_tokens, blockIdx.x * per_block), end = min(p.num_tokens, begin + per_block);
+  // Token t's slot on each rank (-1: none), t in [begin, end).
+  const bool slots_shared = (end - begin) * p.num_ranks <= kOwnSlots;
+  auto slots_of = [&](int64_t t) -> const int32_t* {
+    return slots_shared ? own_slots + (t - begin) * p.num_ranks : p.send_slot + t * p.num_ranks;
+  };
   if (blockIdx.x == 0 && threadIdx.x < p.num_ranks) {
     StoreRelaxedSys(&Flags(p.peers.base[threadIdx.x], p.off_flags, kDispatch, p.num_ranks)[p.me],
                     (e << 16) | p.signature);
   }
   if (threadIdx.x < kMaxRanks) base[threadIdx.x] = 0;
   __syncthreads();
-  CountDestinations(p, 0, begin, local, base);
+  CountDestinations(p, begin, end, local, base, own_masks);
   __syncthreads();
   if (warp == 0) {
     for (int64_t c = begin; c < end; c += 32) {
       const int64_t t = c + lane;
-      const uint64_t mask = t < end ? DestMask(p, t, local) : 0;
+      const uint64_t mask = t >= end ? 0 : t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(p, t, local);
       for (int r = 0; r < p.num_ranks; ++r) {
         const bool dest = (mask >> r) & 1;
         const unsigned ballot = __ballot_sync(0xFFFFFFFFu, dest);
         const int32_t first = base[r];
-        if (t < end) p.send_slot[t * p.num_ranks + r] = dest ? first + __popc(ballot & ((1u << lane) - 1u)) : -1;
+        if (t < end) {
+          const int32_t slot = dest ? first + __popc(ballot & ((1u << lane) - 1u)) : -1;
+          p.send_slot[t * p.num_ranks + r] = slot;
+          if (slots_shared) own_slots[(t - begin) * p.num_ranks + r] = slot;
+        }
         __syncwarp();
         if (lane == 0) base[r] = first + __popc(ballot);
         __syncwarp();
       }
     }
   }
-  __syncthreads();  // send_slot of the range is visible to the whole block from here on
+  __syncthreads();  // the slots of the range are visible to the whole block from here on
   if (begin < end && end == p.num_tokens && threadIdx.x < p.num_ranks) {
     StoreRelaxedSys(reinterpret_cast<uint64_t*>(p.peers.base[threadIdx.x] + buf + p.off_counts) + p.me,
                     CountWord(e, base[threadIdx.x]));
@@ -450,7 +502,7 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
   FencedReady pending;
   for (int64_t item = warp; item < items; item += kWarps) {
     const int64_t t = begin + item / per_token, first = (item % per_token) * group;
-    const int32_t* slots = p.send_slot + t * p.num_ranks;
+    const int32_t* slots = slots_of(t);
     bool to_peer = false;
     RowMeta meta;
     if (first == 0 && meta_in_lanes) {
@@ -540,7 +592,7 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
     if (to_peer) pending.Add(t, first);
     if (pending.Due(group, item + kWarps >= items)) {
       pending.Raise(group, lane, [&](int64_t token, int64_t piece) {
-        const int32_t* to = p.send_slot + token * p.num_ranks;
+        const int32_t* to = slots_of(token);
         for (int r = 0; r < p.num_ranks; ++r) {
           if (to[r] < 0 || r == p.me) continue;
           uint32_t* ready = Ready(p.peers.base[r] + buf, p.off_ready);
