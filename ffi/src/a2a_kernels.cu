@@ -18,7 +18,7 @@
 //     piece's scales, ids and weights); slots past a source's count are padded.
 //   - Small dispatch calls (p.ll_tokens, layout.LL_MAX_TOKENS) send peers their rows in LL form instead: every
 //     4-byte word with the epoch in one 8-byte unit, so neither a fence nor a ready word stands between a store
-//     and its use; twice the bytes on the wire, which pays below ~32-128 tokens on two H200s. Each receive warp
+//     and its use; twice the bytes on the wire, which pays up to ~64-96 tokens on two H200s. Each receive warp
 //     polls the units of its (source, slot, piece) items until they carry its epoch.
 //   - Combine senders return the expert rows to their sources, items in slot order across every sender warp;
 //     block 0 posts the op flag first. Reducers take two tokens per block at a time, wait for the ready words of
@@ -155,6 +155,17 @@ struct Waiter {
   int64_t timeout_ns;
 
   __device__ bool Aborted() const { return *reinterpret_cast<volatile uint64_t*>(abort) != 0; }
+
+  // Called after a poll that found nothing, with t0 = 0 before the first: whether to stop waiting for `src`. It does
+  // once a failure is recorded on this device, or when timeout_ns have passed since the first call (it then records
+  // a timeout of `src`).
+  __device__ bool GiveUp(int64_t& t0, int src) const {
+    if (t0 == 0) t0 = GlobalTimerNs();
+    if (Aborted()) return true;
+    if (GlobalTimerNs() - t0 <= timeout_ns) return false;
+    Fail(abort, error, kErrorTimeoutBase + src);
+    return true;
+  }
 };
 
 // A dispatch count word: the epoch of the call that wrote it (low 32 bits) above the count. One 64-bit store makes
@@ -174,23 +185,17 @@ __device__ bool WaitForSources(uint64_t* flags, int num_ranks, uint64_t e, uint3
   __syncthreads();
   const int src = threadIdx.x;
   if (src < num_ranks) {
-    const int64_t t0 = GlobalTimerNs();
-    auto waited_too_long = [&] {
-      if (w.Aborted()) return true;
-      if (GlobalTimerNs() - t0 <= w.timeout_ns) return false;
-      Fail(w.abort, w.error, kErrorTimeoutBase + src);
-      return true;
-    };
+    int64_t t0 = 0;
     bool ok = true;
     uint64_t f;
-    while (ok && ((f = LoadAcquireSys(&flags[src])) >> 16) < e) ok = !waited_too_long();
+    while (ok && ((f = LoadAcquireSys(&flags[src])) >> 16) < e) ok = !w.GiveUp(t0, src);
     if (ok && (f >> 16) == e && static_cast<uint32_t>(f & 0xFFFF) != signature) {
       Fail(w.abort, w.error, kErrorMismatchBase + src);
       ok = false;
     }
     if (ok && count_words != nullptr) {
       uint64_t c;
-      while (ok && ((c = LoadAcquireSys(&count_words[src])) >> 32) != (e & 0xFFFFFFFFu)) ok = !waited_too_long();
+      while (ok && ((c = LoadAcquireSys(&count_words[src])) >> 32) != (e & 0xFFFFFFFFu)) ok = !w.GiveUp(t0, src);
       counts[src] = static_cast<int32_t>(c & 0xFFFFFFFFu);
     }
     if (!ok) failed = 1;
@@ -199,17 +204,11 @@ __device__ bool WaitForSources(uint64_t* flags, int num_ranks, uint64_t e, uint3
   return failed == 0;
 }
 
-// Spins until *word == e (acquire). False when the wait gave up: a failure is recorded on this device, or
-// `timeout_ns` passed (then this waiter records a timeout of `src`).
+// Spins until *word == e (acquire). False when the wait gave up (Waiter::GiveUp).
 __device__ bool WaitReady(const uint32_t* word, uint32_t e, int src, const Waiter& w) {
-  if (LoadAcquireSys(word) == e) return true;
-  const int64_t t0 = GlobalTimerNs();
+  int64_t t0 = 0;
   while (LoadAcquireSys(word) != e) {
-    if (w.Aborted()) return false;
-    if (GlobalTimerNs() - t0 > w.timeout_ns) {
-      Fail(w.abort, w.error, kErrorTimeoutBase + src);
-      return false;
-    }
+    if (w.GiveUp(t0, src)) return false;
   }
   return true;
 }
@@ -231,28 +230,34 @@ __device__ void LastBlock(uint64_t* counter, Fn fn) {
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
 
-// Bit r of the result: token t < num_tokens has a valid expert on rank r. 32-bit arithmetic: a 64-bit division per
-// id would dominate the slot counting.
+// Bit r of the result: token t < num_tokens has a valid expert on rank r. The row's ids are loaded before any is
+// used (16 bytes at a time where the rows allow), one memory round trip per token. 32-bit arithmetic: a 64-bit
+// division per id would dominate the slot counting.
 __device__ __forceinline__ uint64_t DestMask(const DispatchParams& p, int64_t t, int local) {
-  const int32_t* ids = p.ids + t * p.top_k;
   const int top_k = static_cast<int>(p.top_k), num_experts = static_cast<int>(p.num_experts);
-  uint64_t mask = 0;
-#pragma unroll 8
-  for (int k = 0; k < top_k; ++k) {
-    const int id = ids[k];
-    if (id >= 0 && id < num_experts) mask |= uint64_t{1} << (id / local);
-  }
-  return mask;
-}
-
-// DestMask of rows of 4 or 8 ids loaded as 16-byte vectors: v[1] is used only with 8.
-__device__ __forceinline__ uint64_t DestMask(const int4* v, int top_k, int num_experts, int local) {
   uint64_t mask = 0;
   auto add = [&](int id) {
     if (id >= 0 && id < num_experts) mask |= uint64_t{1} << (id / local);
   };
-  add(v[0].x), add(v[0].y), add(v[0].z), add(v[0].w);
-  if (top_k == 8) add(v[1].x), add(v[1].y), add(v[1].z), add(v[1].w);
+  if (top_k % 4 == 0 && (reinterpret_cast<uintptr_t>(p.ids) & 15) == 0) {
+    const int4* ids = reinterpret_cast<const int4*>(p.ids + t * p.top_k);
+    constexpr int kBatch = 2;  // vectors in flight: top-8 in one round trip
+    for (int k = 0; k < top_k / 4; k += kBatch) {
+      int4 v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (k + i < top_k / 4) v[i] = ids[k + i];
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (k + i < top_k / 4) add(v[i].x), add(v[i].y), add(v[i].z), add(v[i].w);
+      }
+    }
+    return mask;
+  }
+  const int32_t* ids = p.ids + t * p.top_k;
+#pragma unroll 8
+  for (int k = 0; k < top_k; ++k) add(ids[k]);
   return mask;
 }
 
@@ -263,37 +268,20 @@ constexpr int kOwnSlots = 2048;
 
 // Adds to counts[r] (shared) how many tokens of [0, begin) have a valid expert on rank r, and leaves the masks of
 // the tokens [begin, end) in own[t - begin] (shared) where t - begin < kOwnMasks: one pass over the ids. Warp w
-// takes the groups of 32 tokens w, w + kWarps, ..., kCountUnroll groups per step with their ids loaded together (one
-// memory round trip per step; up to kThreads tokens take one step), and counts them per rank with ballots.
-constexpr int kCountUnroll = 4;
+// takes the groups of 32 tokens w, w + kWarps, ..., kCountUnroll groups per step with their ids loaded together (up to
+// kThreads tokens take one step, one memory round trip), and counts them per rank with ballots.
+constexpr int kCountUnroll = 2;
 
 __device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local, int32_t* counts,
                                   uint64_t* own) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int top_k = static_cast<int>(p.top_k), num_experts = static_cast<int>(p.num_experts);
-  const bool vectors = (top_k == 4 || top_k == 8) && (reinterpret_cast<uintptr_t>(p.ids) & 15) == 0;
   int32_t lo = 0, hi = 0;  // this lane's counts for ranks lane and lane + 32
   for (int64_t c = warp * 32; c < end; c += kThreads * kCountUnroll) {
     uint64_t mask[kCountUnroll];
-    if (vectors) {  // every id of the step loaded before any is used
-      int4 v[kCountUnroll][2];
 #pragma unroll
-      for (int u = 0; u < kCountUnroll; ++u) {
-        const int64_t t = c + u * kThreads + lane;
-        const int4* row = reinterpret_cast<const int4*>(p.ids + t * p.top_k);
-        if (t < end) v[u][0] = row[0];
-        if (t < end && top_k == 8) v[u][1] = row[1];
-      }
-#pragma unroll
-      for (int u = 0; u < kCountUnroll; ++u) {
-        mask[u] = c + u * kThreads + lane < end ? DestMask(v[u], top_k, num_experts, local) : 0;
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < kCountUnroll; ++u) {
-        const int64_t t = c + u * kThreads + lane;
-        mask[u] = t < end ? DestMask(p, t, local) : 0;
-      }
+    for (int u = 0; u < kCountUnroll; ++u) {
+      const int64_t t = c + u * kThreads + lane;
+      mask[u] = t < end ? DestMask(p, t, local) : 0;
     }
 #pragma unroll
     for (int u = 0; u < kCountUnroll; ++u) {
@@ -631,13 +619,7 @@ __device__ bool ReceiveLL(const DispatchParams& p, const uint64_t* units, int64_
   constexpr int kVec = kPieceBytes / (32 * 16);
   const int64_t at = piece * kPieceBytes;
   int64_t t0 = 0;
-  auto keep_waiting = [&] {
-    if (t0 == 0) t0 = GlobalTimerNs();
-    if (w.Aborted()) return false;
-    if (GlobalTimerNs() - t0 <= w.timeout_ns) return true;
-    Fail(w.abort, w.error, kErrorTimeoutBase + src);
-    return false;
-  };
+  auto keep_waiting = [&] { return !w.GiveUp(t0, src); };
   bool ok = true;
   unsigned missing = 0;
 #pragma unroll
