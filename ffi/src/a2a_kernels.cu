@@ -431,11 +431,12 @@ class FencedReady {
 // Pieces a sender warp loads before storing them.
 constexpr int kSendInFlight = 2;
 
-// Sender block b owns the tokens [b * per_block, (b + 1) * per_block). It first finds their slots: the count per
-// rank of the tokens before its range (every sender reads those ids: a few tens of KiB from L2), then warp 0
-// numbers its own tokens in order. The block with the last token knows the totals and posts them, with the op
-// flag, to every destination. Then each warp takes (token, piece) items of the range, stores the piece into
-// every destination (a row for this rank into the outputs) and raises its ready words on the peers.
+// Sender block b owns the tokens [b * per_block, (b + 1) * per_block). It first finds their slots: one pass over the
+// ids up to its last token counts per rank the tokens before its range and keeps the destination masks of its own
+// (every sender reads those ids: a few tens of KiB from L2), then warp 0 numbers its own tokens in order. The block
+// with the last token knows the totals and posts them to every destination. Then each warp takes (token, piece)
+// items of the range, stores the piece into every destination (a row for this rank into the outputs) and raises its
+// ready words on the peers.
 __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, int64_t buf) {
   __shared__ int32_t base[kMaxRanks];
   __shared__ uint64_t own_masks[kOwnMasks];
@@ -455,12 +456,15 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
   }
   if (threadIdx.x < kMaxRanks) base[threadIdx.x] = 0;
   __syncthreads();
-  CountDestinations(p, begin, end, local, base, own_masks);
+  // Block 0 has no tokens before its range: its warp 0 reads its own ids (one round trip less before its first send).
+  const bool counted = begin > 0;
+  if (counted) CountDestinations(p, begin, end, local, base, own_masks);
   __syncthreads();
   if (warp == 0) {
     for (int64_t c = begin; c < end; c += 32) {
       const int64_t t = c + lane;
-      const uint64_t mask = t >= end ? 0 : t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(p, t, local);
+      const uint64_t mask =
+          t >= end ? 0 : counted && t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(p, t, local);
       for (int r = 0; r < p.num_ranks; ++r) {
         const bool dest = (mask >> r) & 1;
         const unsigned ballot = __ballot_sync(0xFFFFFFFFu, dest);
