@@ -269,11 +269,12 @@ constexpr int kOwnSlots = 2048;
 // Adds to counts[r] (shared) how many tokens of [0, begin) have a valid expert on rank r, and leaves the masks of
 // the tokens [begin, end) in own[t - begin] (shared) where t - begin < kOwnMasks: one pass over the ids. Warp w
 // takes the groups of 32 tokens w, w + kWarps, ..., kCountUnroll groups per step with their ids loaded together (up to
-// kThreads tokens take one step, one memory round trip), and counts them per rank with ballots.
+// kThreads * kCountUnroll tokens take one step), and counts them per rank with ballots. Not inlined, so that its
+// registers do not add to the send loop's.
 constexpr int kCountUnroll = 2;
 
-__device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local, int32_t* counts,
-                                  uint64_t* own) {
+__device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local,
+                                               int32_t* counts, uint64_t* own) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t lo = 0, hi = 0;  // this lane's counts for ranks lane and lane + 32
   for (int64_t c = warp * 32; c < end; c += kThreads * kCountUnroll) {
