@@ -12,7 +12,8 @@
 //     reading buffer b. So one meeting per call suffices, for back-to-back calls and for many layers.
 //   - Receive side: rows j < count[s] are copied from the workspace to the outputs; padding rows get zero bits,
 //     ids -1 and weights 0.0, as the twin defines.
-//   - Combine sums, per token, float32(row from rank r) over r = 0, 1, ..., R-1 in that order, starting at +0.0.
+//   - Combine sums, per token, float32(row from rank r) over r = 0, 1, ..., R-1 in that order, starting at -0.0
+//     (+0.0 for a token sent nowhere).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -153,7 +154,12 @@ ffi::Error PrepareDispatch(int32_t device, const ffi::AnyBuffer& x, const ffi::A
     return InvalidArg(kDispatchOp, "ll_tokens", "in [0, capacity = " + std::to_string(g->capacity) + "]",
                       g->ll_tokens);
   }
-  // Each 4 bytes of a row (x, scales, ids, weights) take an 8-byte unit in LL form.
+  // Rows in LL form (layout.ll_row_bytes): x of whole 16-byte vectors, scales of whole 4-byte words, and each 4 bytes
+  // of x, scales, ids and weights in an 8-byte unit. The kernels take ll_tokens > 0 as the go-ahead.
+  if (g->ll_tokens > 0 && (g->x_row % 16 != 0 || g->sf_row % 4 != 0)) {
+    return InvalidArg(kDispatchOp, "ll_tokens", "0 for rows of " + std::to_string(g->x_row) + " x bytes and " +
+                      std::to_string(g->sf_row) + " scale bytes (LL form needs multiples of 16 and 4)", g->ll_tokens);
+  }
   const int64_t ll_min = 2 * (g->x_row + g->sf_row + 8 * g->top_k);
   if (g->ll_tokens > 0 && (g->ll_row < ll_min || g->ll_row % 16 != 0)) {
     return InvalidArg(kDispatchOp, "ll_row_bytes", "a multiple of 16, >= " + std::to_string(ll_min), g->ll_row);

@@ -353,10 +353,9 @@ struct RowMeta {
 // LL form (small calls): word w of a row -- its x, then its scales, ids and weights, 4 bytes each -- travels as unit
 // w of its LL row, (epoch << 32) | word, written by one 64-bit store (a vector store's elements are single-copy
 // atomic each), so a receiver that reads a unit of its own epoch has the word: no fence, no ready word. Every rank
-// decides alike from the call's shapes and the workspace: the senders' choice is the receivers' format.
-__device__ __forceinline__ bool UsesLL(const DispatchParams& p) {
-  return p.num_tokens <= p.ll_tokens && p.ll_row > 0 && p.x_row % 16 == 0 && p.sf_row % 4 == 0;
-}
+// decides alike from the call's shapes and the workspace: the senders' choice is the receivers' format. The handler
+// admits ll_tokens > 0 only for rows that take the form (x whole 16-byte vectors, scales whole 4-byte words).
+__device__ __forceinline__ bool UsesLL(const DispatchParams& p) { return p.num_tokens <= p.ll_tokens; }
 
 __device__ __forceinline__ uint64_t* LLRow(const DispatchParams& p, uint8_t* region, int64_t source, int64_t slot) {
   return reinterpret_cast<uint64_t*>(region + p.off_ll + (source * p.ll_tokens + slot) * p.ll_row);
