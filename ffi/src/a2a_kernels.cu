@@ -230,17 +230,28 @@ __device__ void LastBlock(uint64_t* counter, Fn fn) {
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
 
+// The ids of a dispatch call and what maps them to ranks: passed by value to out-of-line code (see DispatchKernel).
+struct Routing {
+  const int32_t* ids;
+  int top_k, num_experts, num_ranks, local;
+};
+
+__device__ __forceinline__ Routing RoutingOf(const DispatchParams& p) {
+  return {p.ids, static_cast<int>(p.top_k), static_cast<int>(p.num_experts), p.num_ranks,
+          static_cast<int>(p.num_experts / p.num_ranks)};
+}
+
 // Bit r of the result: token t < num_tokens has a valid expert on rank r. The row's ids are loaded before any is
 // used (16 bytes at a time where the rows allow), one memory round trip per token. 32-bit arithmetic: a 64-bit
 // division per id would dominate the slot counting.
-__device__ __forceinline__ uint64_t DestMask(const DispatchParams& p, int64_t t, int local) {
-  const int top_k = static_cast<int>(p.top_k), num_experts = static_cast<int>(p.num_experts);
+__device__ __forceinline__ uint64_t DestMask(const Routing& routing, int64_t t) {
+  const int top_k = routing.top_k, num_experts = routing.num_experts, local = routing.local;
   uint64_t mask = 0;
   auto add = [&](int id) {
     if (id >= 0 && id < num_experts) mask |= uint64_t{1} << (id / local);
   };
-  if (top_k % 4 == 0 && (reinterpret_cast<uintptr_t>(p.ids) & 15) == 0) {
-    const int4* ids = reinterpret_cast<const int4*>(p.ids + t * p.top_k);
+  if (top_k % 4 == 0 && (reinterpret_cast<uintptr_t>(routing.ids) & 15) == 0) {
+    const int4* ids = reinterpret_cast<const int4*>(routing.ids + t * top_k);
     constexpr int kBatch = 2;  // vectors in flight: top-8 in one round trip
     for (int k = 0; k < top_k / 4; k += kBatch) {
       int4 v[kBatch];
@@ -255,7 +266,7 @@ __device__ __forceinline__ uint64_t DestMask(const DispatchParams& p, int64_t t,
     }
     return mask;
   }
-  const int32_t* ids = p.ids + t * p.top_k;
+  const int32_t* ids = routing.ids + t * top_k;
 #pragma unroll 8
   for (int k = 0; k < top_k; ++k) add(ids[k]);
   return mask;
@@ -270,11 +281,11 @@ constexpr int kOwnSlots = 2048;
 // the tokens [begin, end) in own[t - begin] (shared) where t - begin < kOwnMasks: one pass over the ids. Warp w
 // takes the groups of 32 tokens w, w + kWarps, ..., kCountUnroll groups per step with their ids loaded together (up to
 // kThreads * kCountUnroll tokens take one step), and counts them per rank with ballots. Not inlined, so that its
-// registers do not add to the send loop's.
+// registers do not add to the send loop's; it takes the routing by value, not a reference to the kernel parameter.
 constexpr int kCountUnroll = 2;
 
-__device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t begin, int64_t end, int local,
-                                               int32_t* counts, uint64_t* own) {
+__device__ __noinline__ void CountDestinations(const Routing routing, int64_t begin, int64_t end, int32_t* counts,
+                                               uint64_t* own) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int32_t lo = 0, hi = 0;  // this lane's counts for ranks lane and lane + 32
   for (int64_t c = warp * 32; c < end; c += kThreads * kCountUnroll) {
@@ -282,7 +293,7 @@ __device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t 
 #pragma unroll
     for (int u = 0; u < kCountUnroll; ++u) {
       const int64_t t = c + u * kThreads + lane;
-      mask[u] = t < end ? DestMask(p, t, local) : 0;
+      mask[u] = t < end ? DestMask(routing, t) : 0;
     }
 #pragma unroll
     for (int u = 0; u < kCountUnroll; ++u) {
@@ -290,7 +301,7 @@ __device__ __noinline__ void CountDestinations(const DispatchParams& p, int64_t 
       if (t >= begin && t < end && t - begin < kOwnMasks) own[t - begin] = mask[u];
       if (t >= begin) mask[u] = 0;
     }
-    for (int r = 0; r < p.num_ranks; ++r) {
+    for (int r = 0; r < routing.num_ranks; ++r) {
       int n = 0;
 #pragma unroll
       for (int u = 0; u < kCountUnroll; ++u) n += __popc(__ballot_sync(0xFFFFFFFFu, (mask[u] >> r) & 1));
@@ -436,8 +447,9 @@ constexpr int kSendInFlight = 2;
 // (every sender reads those ids: a few tens of KiB from L2), then warp 0 numbers its own tokens in order. The block
 // with the last token knows the totals and posts them to every destination. Then each warp takes (token, piece)
 // items of the range, stores the piece into every destination (a row for this rank into the outputs) and raises its
-// ready words on the peers.
-__device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, int64_t buf) {
+// ready words on the peers. Inlined into the kernel, so that its reads of p are constant-bank operands (see
+// DispatchKernel).
+__device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e, int64_t buf) {
   __shared__ int32_t base[kMaxRanks];
   __shared__ uint64_t own_masks[kOwnMasks];
   __shared__ int32_t own_slots[kOwnSlots];
@@ -458,13 +470,13 @@ __device__ __noinline__ void DispatchSend(const DispatchParams& p, uint64_t e, i
   __syncthreads();
   // Block 0 has no tokens before its range: its warp 0 reads its own ids (one round trip less before its first send).
   const bool counted = begin > 0;
-  if (counted) CountDestinations(p, begin, end, local, base, own_masks);
+  if (counted) CountDestinations(RoutingOf(p), begin, end, base, own_masks);
   __syncthreads();
   if (warp == 0) {
     for (int64_t c = begin; c < end; c += 32) {
       const int64_t t = c + lane;
       const uint64_t mask =
-          t >= end ? 0 : counted && t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(p, t, local);
+          t >= end ? 0 : counted && t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(RoutingOf(p), t);
       for (int r = 0; r < p.num_ranks; ++r) {
         const bool dest = (mask >> r) & 1;
         const unsigned ballot = __ballot_sync(0xFFFFFFFFu, dest);
@@ -817,10 +829,20 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchKernel(const __grid_const
   uint64_t* sync = Sync(mine, p.off_sync, kDispatch);
   const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
   const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  // Code out of line reaches the kernel parameter through a pointer, and loads each field it reads through memory;
+  // inlined code reads it from the constant bank. The send role is inlined; the receive role stays out of line (the
+  // two roles inlined together spill several hundred bytes) and reads a copy of p in shared memory instead. On one
+  // H200 (one rank), per dispatch: 1.0 us less at 1 token, 0.8 us at 128, 2.2 us at 4096.
   if (static_cast<int>(blockIdx.x) < p.senders) {
     DispatchSend(p, e, buf);
   } else {
-    DispatchReceive(p, e, buf, mine);
+    __shared__ DispatchParams shared_p;
+    static_assert(sizeof(DispatchParams) % sizeof(uint64_t) == 0, "DispatchParams is copied in 8-byte words");
+    for (int i = threadIdx.x; i < static_cast<int>(sizeof(DispatchParams) / sizeof(uint64_t)); i += kThreads) {
+      reinterpret_cast<uint64_t*>(&shared_p)[i] = reinterpret_cast<const uint64_t*>(&p)[i];
+    }
+    __syncthreads();
+    DispatchReceive(shared_p, e, buf, mine);
   }
   LastBlock(&sync[1], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
 }
