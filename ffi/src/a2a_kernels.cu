@@ -24,9 +24,11 @@
 //     block 0 posts the op flag first. Reducers take two tokens per block at a time, wait for the ready words of
 //     the pieces their threads read, and sum over ranks in ascending order in float32 from -0.0 (+0.0 for a token
 //     sent nowhere); rows of this rank are read in place.
-//   - Receivers wait only on peers' senders, and senders wait on nothing: no block waits on its own grid.
-//   - The epoch of each op lives in device memory; only the kernel advances it (its last block), so the launches
-//     can be captured in a CUDA graph and replayed. Call e uses buffer e & 1: receive regions, count words and
+//   - Receivers wait only on peers' senders, and senders wait on nothing. Within a grid, only the last block waits:
+//     for every block to have read the epoch, which each does first (every block of the grid is resident at once).
+//   - The epoch of each op lives in device memory; only the kernel advances it (BeginCall, EndCall: the grid's last
+//     block, once every block has read it; no block waits on the others at its end), so the launches can be captured
+//     in a CUDA graph and replayed. Call e uses buffer e & 1: receive regions, count words and
 //     ready words. A source reaches call e + 2 only after every destination has finished call e (its call e + 1
 //     needed their rows of e + 1), so buffer e & 1 is never overwritten while it is read.
 //   - Op flags carry (epoch << 16) | signature. A waiter accepts flag >> 16 >= e (a fast peer may already have
@@ -213,16 +215,25 @@ __device__ bool WaitReady(const uint32_t* word, uint32_t e, int src, const Waite
   return true;
 }
 
-// The last block of the grid to arrive on `counter` runs `fn` (thread 0).
-template <typename Fn>
-__device__ void LastBlock(uint64_t* counter, Fn fn) {
+// A call's epoch: thread 0 of each block reads the op's completed epoch (sync[0]) and, after the barrier, counts the
+// block's arrival on sync[1] without waiting for the count. Returns e, the epoch of this call.
+__device__ uint64_t BeginCall(uint64_t* sync) {
+  __shared__ uint64_t epoch;
+  if (threadIdx.x == 0) epoch = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    if (atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull) == gridDim.x - 1) {
-      *reinterpret_cast<volatile uint64_t*>(counter) = 0;
-      __threadfence();
-      fn();
+  if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&sync[1]), 1ull);
+  return epoch;
+}
+
+// Block gridDim.x - 1 advances the epoch to e once every block has arrived (and so has read it); the other blocks end
+// without waiting. Every block of the grid is resident at once, so the wait ends. On one H200 this took 0.5-0.9 us
+// off a dispatch and 0.3-1.2 us off a combine, against an atomic at every block's end that found the last to finish.
+__device__ void EndCall(uint64_t* sync, uint64_t e) {
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
+    while (*reinterpret_cast<volatile uint64_t*>(&sync[1]) < gridDim.x) {
     }
+    *reinterpret_cast<volatile uint64_t*>(&sync[1]) = 0;
+    *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e;
   }
 }
 
@@ -827,7 +838,7 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
 __global__ void __launch_bounds__(kThreads, 1) DispatchKernel(const __grid_constant__ DispatchParams p) {
   uint8_t* mine = p.peers.base[p.me];
   uint64_t* sync = Sync(mine, p.off_sync, kDispatch);
-  const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
+  const uint64_t e = BeginCall(sync);
   const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
   // Code out of line reaches the kernel parameter through a pointer, and loads each field it reads through memory;
   // inlined code reads it from the constant bank. The send role is inlined; the receive role stays out of line (the
@@ -844,7 +855,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchKernel(const __grid_const
     __syncthreads();
     DispatchReceive(shared_p, e, buf, mine);
   }
-  LastBlock(&sync[1], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
+  EndCall(sync, e);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1005,14 +1016,14 @@ template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, 1) CombineKernel(const __grid_constant__ CombineParams p) {
   uint8_t* mine = p.peers.base[p.me];
   uint64_t* sync = Sync(mine, p.off_sync, kCombine);
-  const uint64_t e = *reinterpret_cast<volatile uint64_t*>(&sync[0]) + 1;
+  const uint64_t e = BeginCall(sync);
   const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
   if (static_cast<int>(blockIdx.x) < p.senders) {
     CombineSend(p, e, buf);
   } else {
     CombineReduce<In, Out>(p, e, buf, mine);
   }
-  LastBlock(&sync[1], [&] { *reinterpret_cast<volatile uint64_t*>(&sync[0]) = e; });
+  EndCall(sync, e);
 }
 
 int Blocks(int64_t work_items, int64_t per_block, int cap) {
