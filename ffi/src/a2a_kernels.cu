@@ -24,12 +24,11 @@
 //     block 0 posts the op flag first. Reducers take two tokens per block at a time, wait for the ready words of
 //     the pieces their threads read, and sum over ranks in ascending order in float32 from -0.0 (+0.0 for a token
 //     sent nowhere); rows of this rank are read in place.
-//   - Receivers wait only on peers' senders, and senders wait on nothing. Within a grid, only the last block waits:
-//     for every block to have read the epoch, which each does first (every block of the grid is resident at once).
-//   - The epoch of each op lives in device memory; only the kernel advances it (BeginCall, EndCall: the grid's last
-//     block, once every block has read it; no block waits on the others at its end), so the launches can be captured
-//     in a CUDA graph and replayed. Call e uses buffer e & 1: receive regions, count words and
-//     ready words. A source reaches call e + 2 only after every destination has finished call e (its call e + 1
+//   - Receivers wait only on peers' senders, and senders wait on nothing. Within a grid only block gridDim.x - 1
+//     waits, at its end, for every block to have read the epoch, which each does as it starts (EndCall).
+//   - The epoch of each op lives in device memory; only the kernel advances it (BeginCall, EndCall), so the launches
+//     can be captured in a CUDA graph and replayed. Call e uses buffer e & 1: receive regions, count words and ready
+//     words. A source reaches call e + 2 only after every destination has finished call e (its call e + 1
 //     needed their rows of e + 1), so buffer e & 1 is never overwritten while it is read.
 //   - Op flags carry (epoch << 16) | signature. A waiter accepts flag >> 16 >= e (a fast peer may already have
 //     posted e + 1) and checks the signature: a peer that called with other shapes is reported, not trusted.
@@ -226,8 +225,9 @@ __device__ uint64_t BeginCall(uint64_t* sync) {
 }
 
 // Block gridDim.x - 1 advances the epoch to e once every block has arrived (and so has read it); the other blocks end
-// without waiting. Every block of the grid is resident at once, so the wait ends. On one H200 this took 0.5-0.9 us
-// off a dispatch and 0.3-1.2 us off a combine, against an atomic at every block's end that found the last to finish.
+// without waiting. Each block arrives as it starts, waiting on nothing of this one, so the wait ends. On one H200
+// this took 0.5-0.9 us off a dispatch and 0.3-1.2 us off a combine, against an atomic at every block's end that found
+// the last to finish.
 __device__ void EndCall(uint64_t* sync, uint64_t e) {
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
     while (*reinterpret_cast<volatile uint64_t*>(&sync[1]) < gridDim.x) {
