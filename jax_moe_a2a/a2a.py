@@ -676,7 +676,7 @@ class Workspace:
     self.id  # pylint: disable=pointless-statement
 
   def attrs(self, op: str) -> dict[str, np.int64]:
-    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync words and the id."""
+    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync and scan words, the id."""
     off = self.layout.offsets()
     common = {"buffer_stride": off["buf1.recv_x"] - off["buf0.recv_x"], "capacity": self.layout.capacity,
               "num_ranks": self.num_ranks, "off_flags": off["flags"], "off_sync": off["sync"],
@@ -684,8 +684,8 @@ class Workspace:
     if op == "dispatch":
       common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],
                     off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"],
-                    off_ready=off["buf0.recv_ready"], off_ll=off["buf0.recv_ll"], ll_tokens=self.layout.ll_tokens,
-                    ll_row_bytes=self.layout.ll_row_bytes)
+                    off_ready=off["buf0.recv_ready"], off_ll=off["buf0.recv_ll"], off_scan=off["scan"],
+                    ll_tokens=self.layout.ll_tokens, ll_row_bytes=self.layout.ll_row_bytes)
     else:
       common.update(off_combine=off["buf0.combine"], off_ready=off["buf0.combine_ready"])
     return {k: np.int64(v) for k, v in common.items()}

@@ -182,6 +182,10 @@ COUNT_BYTES = 8
 # kernels' kPieceBytes and Pieces() state the same; tests/test_layout.py checks the two against each other).
 PIECE_BYTES = 2048
 READY_BYTES = 4
+# A dispatch call has at most SCAN_BLOCKS sender blocks on a GPU; large calls number their slots with a scan over the
+# blocks' counts, a COUNT_BYTES word per (block, rank) in the scan region (the GPU kernels' kScanBlocks states the
+# same; tests/test_layout.py checks the two against each other).
+SCAN_BLOCKS = 256
 
 
 # Dispatch calls of at most LL_MAX_TOKENS tokens per rank send a peer its rows in LL form: every 4 bytes of the row
@@ -244,7 +248,9 @@ class WorkspaceLayout:
 
   - ``flags`` [2, num_ranks] uint64: per-source epoch flags of dispatch and combine, written by the peers;
   - ``sync``  [2, 4] uint64: per op this rank's completed epoch (advanced by the kernel), the arrival counter of
-    its kernel's blocks and two spare words (the dispatch's last holds the device's sticky error code).
+    its kernel's blocks and two spare words (the dispatch's last holds the device's sticky error code);
+  - ``scan``  [SCAN_BLOCKS, num_ranks] uint64: per sender block of a large dispatch, the tokens of its range bound
+    for each rank, under the epoch of the call (written and read by this rank's kernel only).
 
   Attributes:
     num_ranks, capacity: the sizes the layout was computed for.
@@ -317,6 +323,7 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
   shared = (
       ("flags", 2 * num_ranks * FLAG_BYTES),
       ("sync", 2 * SYNC_WORDS * FLAG_BYTES),
+      ("scan", SCAN_BLOCKS * num_ranks * COUNT_BYTES),
   )
   named = [(f"buf{b}.{name}", size) for b in range(num_buffers) for name, size in per_buffer] + list(shared)
   regions = []

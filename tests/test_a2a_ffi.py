@@ -104,6 +104,24 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
       assert int(np.asarray(got[4]).reshape(num_ranks, num_ranks)[0].sum()) == 0  # rank 0 received nothing
 
 
+# On GPUs a dispatch of more than 512 tokens numbers its slots with a scan over the sender blocks' counts (each block
+# counts its own range and adds up the earlier blocks'), smaller ones by counting every token before a block's range.
+@pytest.mark.parametrize("case", ["random", "invalid", "nobody_to_rank0"])
+@pytest.mark.parametrize("num_tokens", [513, 2731])
+def test_large_dispatch_combine_equal_the_twin(case, num_tokens):
+  mesh = _mesh()
+  num_ranks, top_k = mesh.shape[AXIS], 8
+  num_experts = 4 * num_ranks
+  x, _, ids, weights = _inputs(mesh, num_tokens + len(case), num_tokens, 64, top_k, num_experts, case)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=64, top_k=top_k, timeout_s=20) as ws:
+    got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")
+    want = _run(mesh, None, x, None, ids, weights, num_experts, "reference")
+    _assert_outputs_equal(got, want)
+    # Twice more on the same workspace: the scan words of the call before carry its epoch, never this call's.
+    for _ in range(2):
+      _assert_outputs_equal(_run(mesh, ws, x, None, ids, weights, num_experts, "ffi"), want)
+
+
 # Scale rows of 8 bytes (hidden 256), 16 (512) and 224 (7168, DeepSeek-V3): on GPUs the senders move rows that are
 # whole 16-byte vectors in the warp's lanes, loaded with the token's first piece, and the others with a copy.
 @pytest.mark.parametrize("hidden", [256, 512, 7168])

@@ -222,13 +222,14 @@ FP8_CASE_REGIONS = [
     ("buf1.recv_ll", 14208, 3360),
     ("flags", 17664, 32),
     ("sync", 17792, 64),
+    ("scan", 17920, 4096),
 ]
 
 
 def test_workspace_hand_computed_fp8():
   ws = workspace_layout(**FP8_CASE)
   assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS
-  assert ws.total_bytes == 17920
+  assert ws.total_bytes == 22016
   assert ws.ll_tokens == 3 and ws.ll_row_bytes == 560
   assert ws.num_ranks == 2
   assert ws.capacity == 3
@@ -280,15 +281,16 @@ def test_workspace_three_buffers_constant_stride():
     assert [ws.region(f"buf{b}.{name}").offset - ws.region(f"buf0.{name}").offset for b in range(3)] == [0, 8832, 17664]
   assert ws.region("flags").offset == 26496
   assert ws.region("sync").offset == 26624
-  assert ws.total_bytes == 26752
+  assert ws.region("scan").offset == 26752
+  assert ws.total_bytes == 30848
 
 
 def test_workspace_single_buffer():
-  # buf0 as above; flags at 8832 (+32 -> 8864 => 8960); sync at 8960 (+64 -> 9024 => 9088).
+  # buf0 as above; flags at 8832 (+32 -> 8864 => 8960); sync at 8960 (+64 -> 9024 => 9088); scan 9088 +4096.
   ws = workspace_layout(**FP8_CASE, num_buffers=1)
   assert [(r.name, r.offset, r.size) for r in ws.regions] == FP8_CASE_REGIONS[:9] + [
-      ("flags", 8832, 32), ("sync", 8960, 64)]
-  assert ws.total_bytes == 9088
+      ("flags", 8832, 32), ("sync", 8960, 64), ("scan", 9088, 4096)]
+  assert ws.total_bytes == 13184
   assert ws.num_buffers == 1
   assert not any(r.name.startswith("buf1.") for r in ws.regions)
   with pytest.raises(KeyError, match="no region 'buf1.recv_x'"):
@@ -303,14 +305,15 @@ def test_workspace_combine_dtype_bytes_4_doubles_combine():
   assert ws4.region("buf1.combine").size == 6144
   assert ws4.combine_bytes_per_token == 1024
   # combine at 2048 now ends at 8192; the ready regions follow (1024-byte rows: still one piece), then recv_ll at
-  # 8448 (+3360 -> 11808): buffer stride 11904; buf1.combine 13952; flags 23808; sync 23936 +64 => 24064.
+  # 8448 (+3360 -> 11808): buffer stride 11904; buf1.combine 13952; flags 23808; sync 23936 +64 => 24064; scan
+  # 24064 +4096 => 28160.
   assert ws4.region("buf0.combine_ready").size == 24
   assert ws4.region("buf0.recv_ll").offset == 8448
   assert ws4.region("buf1.recv_x").offset == 11904
   assert ws4.region("buf1.combine").offset == 13952
   assert ws4.region("flags").offset == 23808
   assert ws4.region("sync").offset == 23936
-  assert ws4.total_bytes == 24064
+  assert ws4.total_bytes == 28160
   # Nothing in front of combine moves.
   for name in PER_BUFFER[:PER_BUFFER.index("combine")]:
     assert ws4.region(f"buf0.{name}") == ws2.region(f"buf0.{name}")
@@ -325,18 +328,19 @@ def test_workspace_ready_regions_hold_a_word_per_piece():
   assert [pieces(n) for n in (0, 1, 2048, 2049, 7168)] == [1, 1, 1, 2, 4]
 
 
-def test_piece_size_is_the_one_the_kernels_use():
+def test_piece_size_and_scan_blocks_are_the_ones_the_kernels_use():
   from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
   if not _ffi.available():
     pytest.skip("compiled extension not built")
   assert _ffi.extension().piece_bytes == layout.PIECE_BYTES
+  assert _ffi.extension().scan_blocks == layout.SCAN_BLOCKS
 
 
 def test_workspace_hand_computed_bf16_zero_size_scale_region():
   # bf16: recv_x 6*512 = 3072 at 0; recv_x_sf is empty at 3072 and the next region starts there too;
   # ids 3072 +48 => 3200; weights 3200 +48 => 3328; counts 3328 +16 => 3456; combine 3456 +3072 -> 6528 (= 51*128);
   # ready regions 6528 +24 => 6656 +24 => 6784; recv_ll 2*3*(512 / 4 + 2 * 2 = 132 words * 8) = 6336 -> 13120 =>
-  # 13184 (the buffer stride); flags 26368; sync 26496 +64 => 26624.
+  # 13184 (the buffer stride); flags 26368; sync 26496 +64 => 26624; scan 26624 + 256*2*8 => 30720.
   ws = workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="bf16")
   expected = [
       ("buf0.recv_x", 0, 3072),
@@ -351,14 +355,15 @@ def test_workspace_hand_computed_bf16_zero_size_scale_region():
   assert ws.region("buf1.recv_x").offset == 13184
   assert ws.region("flags").offset == 26368
   assert ws.region("sync").offset == 26496
-  assert ws.total_bytes == 26624
+  assert ws.total_bytes == 30720
 
 
 def test_workspace_shared_regions_scale_with_ranks():
-  # 8 ranks: flags 2*8*8 = 128; sync 2*4*8 = 64; recv_counts 8*8 = 64.
+  # 8 ranks: flags 2*8*8 = 128; sync 2*4*8 = 64; scan 256*8*8 = 16384; recv_counts 8*8 = 64.
   ws = workspace_layout(num_ranks=8, capacity=16, hidden=7168, top_k=8, fmt="fp8_blockwise", num_buffers=1)
   assert ws.region("flags").size == 128
   assert ws.region("sync").size == 64
+  assert ws.region("scan").size == 16384
   assert ws.region("buf0.recv_counts").size == 64
   # 128 slots: recv_x 128*7168 = 917504; scales 128*224 = 28672; ids/weights 128*32 = 4096; combine 128*14336.
   assert ws.region("buf0.recv_x").size == 917504
@@ -397,7 +402,7 @@ def test_workspace_invariants(kw):
   ws = workspace_layout(**kw)
   nb = kw.get("num_buffers", 2)
   names = [r.name for r in ws.regions]
-  assert names == [f"buf{b}.{n}" for b in range(nb) for n in PER_BUFFER] + ["flags", "sync"]
+  assert names == [f"buf{b}.{n}" for b in range(nb) for n in PER_BUFFER] + ["flags", "sync", "scan"]
   assert len(set(names)) == len(names)
   offsets = [r.offset for r in ws.regions]
   assert offsets == sorted(offsets)

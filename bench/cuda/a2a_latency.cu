@@ -59,7 +59,7 @@ struct Layout {
   int64_t capacity = 0, total = 0;
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, off_combine, off_combine_ready, stride;
   int64_t off_ll, ll_tokens, ll_row;
-  int64_t off_flags, off_sync;
+  int64_t off_flags, off_sync, off_scan;
 
   static Layout Read(std::FILE* in) {
     Layout lay;
@@ -93,6 +93,7 @@ struct Layout {
     lay.stride = get("buf1.recv_x") - lay.off_x;
     lay.off_flags = get("flags");
     lay.off_sync = get("sync");
+    lay.off_scan = get("scan");
     lay.off_ll = get("buf0.recv_ll");
     lay.ll_tokens = get("ll_tokens");
     lay.ll_row = get("ll_row_bytes");
@@ -361,6 +362,7 @@ int main(int argc, char** argv) {
       p.off_ids = lay.off_ids;
       p.off_weights = lay.off_weights;
       p.off_counts = lay.off_counts;
+      p.off_scan = lay.off_scan;
       p.off_ready = lay.off_ready;
       p.off_ll = lay.off_ll;
       p.ll_tokens = lay.ll_tokens;

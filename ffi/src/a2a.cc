@@ -55,6 +55,7 @@ struct DispatchGeometry {
   int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
   // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, rows of ll_row bytes (layout.ll_row_bytes).
   int64_t off_ll, ll_tokens, ll_row;
+  int64_t off_scan;  // the sender blocks' counts: [kScanBlocks, num_ranks] uint64 (GPU kernels)
 };
 
 ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
@@ -119,14 +120,15 @@ ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, co
   return ffi::Error::Success();
 }
 
-// Bytes of a device's block that the dispatch touches: both buffers' regions, the flags and epochs.
+// Bytes of a device's block that the dispatch touches: both buffers' regions, the flags, epochs and scan words.
 int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   const int64_t slots = g.num_ranks * g.capacity;
   int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
                           g.off_counts + g.num_ranks * 8, g.off_ready + slots * Pieces(g.x_row) * 4,
                           g.off_ll + g.num_ranks * g.ll_tokens * g.ll_row});
-  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes()});
+  return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes(),
+                   g.off_scan + kScanBlocks * g.num_ranks * 8});
 }
 
 std::string DispatchSignature(const DispatchGeometry& g, int64_t num_experts) {
@@ -197,9 +199,10 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
                            int64_t ll_row_bytes, int64_t ll_tokens, int64_t num_experts, int64_t num_ranks,
                            int64_t off_counts, int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready,
-                           int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
+                           int64_t off_scan, int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf,
+                           int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes};
+                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes, off_scan};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/false, &g, &site);
@@ -469,9 +472,10 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
                             int64_t ll_row_bytes, int64_t ll_tokens, int64_t num_experts, int64_t num_ranks,
                             int64_t off_counts, int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready,
-                            int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf, int64_t workspace) {
+                            int64_t off_scan, int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf,
+                            int64_t workspace) {
   DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes};
+                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes, off_scan};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
                                *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/true, &g, &site);
@@ -506,6 +510,7 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.off_counts = g.off_counts;
   p.off_ready = g.off_ready;
   p.off_ll = g.off_ll;
+  p.off_scan = g.off_scan;
   p.ll_tokens = g.ll_tokens;
   p.ll_row = g.ll_row;
   p.buffer_stride = g.buffer_stride;
@@ -588,6 +593,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Attr<int64_t>("off_ids")                                           \
       .Attr<int64_t>("off_ll")                                            \
       .Attr<int64_t>("off_ready")                                         \
+      .Attr<int64_t>("off_scan")                                          \
       .Attr<int64_t>("off_sync")                                          \
       .Attr<int64_t>("off_weights")                                       \
       .Attr<int64_t>("off_x")                                             \

@@ -31,6 +31,8 @@ struct DispatchParams {
   // LL form (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens send peers their rows as ll_row-byte rows of
   // 8-byte units at off_ll; ll_tokens 0: never.
   int64_t off_ll, ll_tokens, ll_row;
+  // Scan region of this rank's block: [kScanBlocks, num_ranks] uint64 counts of the sender blocks (large calls).
+  int64_t off_scan;
   int64_t timeout_ns;
   int senders;  // blocks [0, senders) of the grid send, the rest receive (set by the launcher)
   uint32_t signature;  // 16 bits: a hash of the call's shapes, equal on every rank of a correct program

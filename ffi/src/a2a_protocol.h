@@ -15,6 +15,10 @@ constexpr int kSyncWords = 4;
 // poll it there, never the host-mapped error word, whose reads cross PCIe and stall every poller behind them.
 constexpr int kSyncAbortWord = 3;
 
+// Dispatch sender blocks of one call at most: each has a uint64 count word per rank in the scan region, which
+// layout.SCAN_BLOCKS sizes (tests/test_layout.py checks the two against each other through `scan_blocks`).
+constexpr int kScanBlocks = 256;
+
 // Rows cross in pieces of kPieceBytes; each piece of a receive slot has a uint32 ready word (the epoch of the
 // call that filled it) in the ready regions. layout.PIECE_BYTES states the same size (tests/test_layout.py checks
 // the two against each other through the extension's `piece_bytes`).

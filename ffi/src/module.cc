@@ -170,6 +170,8 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8 call with `num_groups` groups on any visible GPU "
         "(0 without a GPU or without the CUDA handlers).");
   m.attr("ffi_api_version") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
-  // The protocol's piece size, for the test that layout.PIECE_BYTES sizes the ready regions with the same value.
+  // The protocol's piece size and sender block bound, for the tests that layout.PIECE_BYTES and layout.SCAN_BLOCKS
+  // size the ready and scan regions with the same values.
   m.attr("piece_bytes") = jax_moe_a2a::kPieceBytes;
+  m.attr("scan_blocks") = jax_moe_a2a::kScanBlocks;
 }
