@@ -13,19 +13,26 @@
 // capacity). Prints one JSON object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu,
 // gb_per_s}.
 //
+// --ranks R runs R ranks on GPU 0 instead, each launching on its own stream with 1/R of the multiprocessors, so that
+// every rank's grid is resident at once: the peer paths of the protocol on one GPU, without NVLink (its timings are
+// not NVLink's). --check compares every rank's outputs of each size with a reference computed on the host, bit for
+// bit: send slots, counts, received rows, scales, ids and weights, and the combined rows (float32 sums in rank order
+// rounded to bf16).
+//
 //   nvcc -arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi/src -o a2a_latency \
 //        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
 //   python3 -c 'from jax_moe_a2a import layout as L
 //   w = L.workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
 //   print("ranks 2 capacity 4096 total", w.total_bytes, *(f"{r.name} {r.offset}" for r in w.regions),
 //         "ll_tokens", w.ll_tokens, "ll_row_bytes", w.ll_row_bytes)' |
-//   ./a2a_latency [--sets N] [tokens ...]
+//   ./a2a_latency [--sets N] [--ranks R] [--check] [tokens ...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -131,9 +138,19 @@ struct Buffers {
   float *weights = nullptr, *recv_weights = nullptr;
 };
 
+// Set 0's inputs of a rank on the host, for --check.
+struct HostInputs {
+  std::vector<uint8_t> x, x_sf;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  std::vector<uint16_t> expert_out;  // bf16 bits
+};
+
 struct Rank {
+  int device;
   cudaStream_t stream;
-  int num_sms;
+  int num_sms;  // the multiprocessors its launches may use
+  HostInputs host;
   uint8_t* block;
   std::vector<Buffers> sets;
   uint64_t* epoch;
@@ -147,7 +164,7 @@ struct Rank {
 template <typename Launch>
 double TimeCalls(std::vector<Rank>& ranks, Launch launch) {
   for (size_t g = 0; g < ranks.size(); ++g) {
-    CK(cudaSetDevice(g));
+    CK(cudaSetDevice(ranks[g].device));
     cudaGraph_t graph;
     CK(cudaStreamBeginCapture(ranks[g].stream, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < kCalls; ++i) launch(static_cast<int>(g), i);
@@ -159,14 +176,14 @@ double TimeCalls(std::vector<Rank>& ranks, Launch launch) {
   std::vector<double> per_call;
   for (int run = 0; run < kWarmup + kRuns; ++run) {
     for (size_t g = 0; g < ranks.size(); ++g) {
-      CK(cudaSetDevice(g));
+      CK(cudaSetDevice(ranks[g].device));
       CK(cudaEventRecord(ranks[g].start, ranks[g].stream));
       CK(cudaGraphLaunch(ranks[g].graph, ranks[g].stream));
       CK(cudaEventRecord(ranks[g].stop, ranks[g].stream));
     }
     float slowest = 0;
     for (size_t g = 0; g < ranks.size(); ++g) {
-      CK(cudaSetDevice(g));
+      CK(cudaSetDevice(ranks[g].device));
       CK(cudaEventSynchronize(ranks[g].stop));
       float ms;
       CK(cudaEventElapsedTime(&ms, ranks[g].start, ranks[g].stop));
@@ -206,11 +223,112 @@ T* Alloc(int64_t count) {
   return p;
 }
 
+float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {  // round to nearest even; the sums here are finite
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+std::vector<T> Download(const T* device, int64_t count) {
+  std::vector<T> host(count);
+  CK(cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// Every rank's outputs of set 0 against the host reference (see the header). Exits on the first difference.
+void Check(std::vector<Rank>& ranks, int64_t tokens) {
+  const int n = static_cast<int>(ranks.size()), local = kExperts / n;
+  // slot[s][t * n + r]: token t of source s on rank r (-1: not sent); count[s][r].
+  std::vector<std::vector<int32_t>> slot(n, std::vector<int32_t>(tokens * n, -1)), count(n, std::vector<int32_t>(n));
+  for (int s = 0; s < n; ++s) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        const int id = ranks[s].host.ids[t * kTopK + k];
+        if (id >= 0 && id < kExperts) slot[s][t * n + id / local] = 0;
+      }
+      for (int r = 0; r < n; ++r) {
+        if (slot[s][t * n + r] == 0) slot[s][t * n + r] = count[s][r]++;
+      }
+    }
+  }
+  auto fail = [&](int me, const char* what, int64_t at, double got, double want) {
+    std::printf("--check: rank %d, %lld tokens: %s differs at %lld: got %g, expected %g\n", me,
+                static_cast<long long>(tokens), what, static_cast<long long>(at), got, want);
+    std::exit(1);
+  };
+  for (int me = 0; me < n; ++me) {
+    CK(cudaSetDevice(ranks[me].device));
+    const Buffers& b = ranks[me].sets[0];
+    const auto send_slot = Download(b.send_slot, tokens * n);
+    const auto counts = Download(b.recv_counts, n);
+    const auto recv_x = Download(b.recv_x, n * tokens * kXRow);
+    const auto recv_sf = Download(b.recv_sf, n * tokens * kSfRow);
+    const auto recv_ids = Download(b.recv_ids, n * tokens * kTopK);
+    const auto recv_w = Download(b.recv_weights, n * tokens * kTopK);
+    const auto out = Download(reinterpret_cast<const uint16_t*>(b.out), tokens * kHidden);
+    for (int64_t i = 0; i < tokens * n; ++i) {
+      if (send_slot[i] != slot[me][i]) fail(me, "send_slot", i, send_slot[i], slot[me][i]);
+    }
+    for (int s = 0; s < n; ++s) {
+      if (counts[s] != count[s][me]) fail(me, "recv_counts", s, counts[s], count[s][me]);
+      std::vector<int64_t> token_of(tokens, -1);  // slot j of source s -> its token
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (slot[s][t * n + me] >= 0) token_of[slot[s][t * n + me]] = t;
+      }
+      const HostInputs& in = ranks[s].host;
+      for (int64_t j = 0; j < tokens; ++j) {
+        const int64_t o = s * tokens + j, t = token_of[j];
+        for (int64_t i = 0; i < kXRow; ++i) {
+          const int want = t < 0 ? 0 : in.x[t * kXRow + i];
+          if (recv_x[o * kXRow + i] != want) fail(me, "recv_x", o * kXRow + i, recv_x[o * kXRow + i], want);
+        }
+        for (int64_t i = 0; i < kSfRow; ++i) {
+          const int want = t < 0 ? 0 : in.x_sf[t * kSfRow + i];
+          if (recv_sf[o * kSfRow + i] != want) fail(me, "recv_x_sf", o * kSfRow + i, recv_sf[o * kSfRow + i], want);
+        }
+        for (int k = 0; k < kTopK; ++k) {
+          const int id = t < 0 ? -1 : in.ids[t * kTopK + k];
+          const int want_id = id >= 0 && id < kExperts && id / local == me ? id - me * local : -1;
+          const float want_w = want_id < 0 ? 0.0f : in.weights[t * kTopK + k];
+          if (recv_ids[o * kTopK + k] != want_id) fail(me, "recv_topk_ids", o * kTopK + k, recv_ids[o * kTopK + k], want_id);
+          if (std::memcmp(&recv_w[o * kTopK + k], &want_w, 4) != 0) {
+            fail(me, "recv_topk_weights", o * kTopK + k, recv_w[o * kTopK + k], want_w);
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+      bool sent = false;
+      for (int r = 0; r < n; ++r) sent |= slot[me][t * n + r] >= 0;
+      for (int64_t h = 0; h < kHidden; ++h) {
+        float acc = sent ? -0.0f : 0.0f;
+        for (int r = 0; r < n; ++r) {
+          const int32_t j = slot[me][t * n + r];
+          if (j >= 0) acc += Bf16ToFloat(ranks[r].host.expert_out[(me * tokens + j) * kHidden + h]);
+        }
+        const uint16_t want = FloatToBf16(acc);
+        if (out[t * kHidden + h] != want) {
+          fail(me, "combine", t * kHidden + h, Bf16ToFloat(out[t * kHidden + h]), Bf16ToFloat(want));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int64_t> sizes;
-  int num_sets = 8;
+  int num_sets = 8, ranks_on_one = 0;
+  bool check = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--sets" && i + 1 < argc) {
       num_sets = std::atoi(argv[++i]);
@@ -218,6 +336,14 @@ int main(int argc, char** argv) {
         std::printf("--sets: expected a count >= 1, got %s\n", argv[i]);
         return 1;
       }
+    } else if (std::string(argv[i]) == "--ranks" && i + 1 < argc) {
+      ranks_on_one = std::atoi(argv[++i]);
+      if (ranks_on_one < 1 || ranks_on_one > jax_moe_a2a::kMaxRanks) {
+        std::printf("--ranks: expected a count in [1, %d], got %s\n", jax_moe_a2a::kMaxRanks, argv[i]);
+        return 1;
+      }
+    } else if (std::string(argv[i]) == "--check") {
+      check = true;
     } else {
       sizes.push_back(std::atoll(argv[i]));
     }
@@ -227,15 +353,17 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "layout: %d ranks, capacity %lld, %lld bytes, buffer stride %lld, sync at %lld\n", lay.ranks,
                static_cast<long long>(lay.capacity), static_cast<long long>(lay.total),
                static_cast<long long>(lay.stride), static_cast<long long>(lay.off_sync));
-  int n;
-  CK(cudaGetDeviceCount(&n));
-  if (n < 1) {
+  int gpus;
+  CK(cudaGetDeviceCount(&gpus));
+  if (gpus < 1) {
     std::printf("needs a GPU, found none\n");
     return 1;
   }
-  for (int a = 0; a < n; ++a) {
+  if (ranks_on_one > 0) gpus = 1;
+  const int n = ranks_on_one > 0 ? ranks_on_one : gpus;  // ranks
+  for (int a = 0; a < gpus; ++a) {
     CK(cudaSetDevice(a));
-    for (int b = 0; b < n; ++b) {
+    for (int b = 0; b < gpus; ++b) {
       if (a == b) continue;
       int ok;
       CK(cudaDeviceCanAccessPeer(&ok, a, b));
@@ -248,12 +376,12 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("{\"device\": \"%dx %s\", \"calls_per_graph\": %d, \"runs\": %d, \"input_sets\": %d, \"rows\": [\n", n,
-              prop.name, kCalls, kRuns, num_sets);
+  std::printf("{\"device\": \"%dx %s\", \"ranks\": %d, \"calls_per_graph\": %d, \"runs\": %d, \"input_sets\": %d, "
+              "\"checked\": %s, \"rows\": [\n", gpus, prop.name, n, kCalls, kRuns, num_sets, check ? "true" : "false");
 
   const int64_t max_tokens = lay.capacity;
   if (lay.ranks != n || *std::max_element(sizes.begin(), sizes.end()) > max_tokens) {
-    std::printf("the layout is for %d ranks and %lld tokens per rank; this run has %d GPUs and up to %lld tokens\n",
+    std::printf("the layout is for %d ranks and %lld tokens per rank; this run has %d ranks and up to %lld tokens\n",
                 lay.ranks, static_cast<long long>(max_tokens), n,
                 static_cast<long long>(*std::max_element(sizes.begin(), sizes.end())));
     return 1;
@@ -263,9 +391,11 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1234);
   for (int g = 0; g < n; ++g) {
     Rank& r = ranks[g];
-    CK(cudaSetDevice(g));
+    r.device = ranks_on_one > 0 ? 0 : g;
+    CK(cudaSetDevice(r.device));
     CK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
-    CK(cudaDeviceGetAttribute(&r.num_sms, cudaDevAttrMultiProcessorCount, g));
+    CK(cudaDeviceGetAttribute(&r.num_sms, cudaDevAttrMultiProcessorCount, r.device));
+    if (ranks_on_one > 0) r.num_sms /= ranks_on_one;
     r.block = Alloc<uint8_t>(lay.total);
     peers.base[g] = r.block;
     r.epoch = Alloc<uint64_t>(1);
@@ -299,7 +429,7 @@ int main(int argc, char** argv) {
     // Fresh inputs per size: random bytes for x and scales, top-8 distinct experts per token.
     double routed = 0;  // (token, other rank) pairs, over all GPUs and sets
     for (int g = 0; g < n; ++g) {
-      CK(cudaSetDevice(g));
+      CK(cudaSetDevice(ranks[g].device));
       for (Buffers& r : ranks[g].sets) {
         for (uint8_t* p : {r.x, r.x_sf, r.recv_x, r.recv_sf, r.expert_out, r.out}) CK(cudaFree(p));
         for (int32_t* p : {r.ids, r.recv_ids, r.recv_counts, r.send_slot}) CK(cudaFree(p));
@@ -307,6 +437,7 @@ int main(int argc, char** argv) {
       }
       ranks[g].sets.assign(num_sets, Buffers{});
       for (Buffers& r : ranks[g].sets) {
+        const bool keep = check && &r == &ranks[g].sets[0];  // set 0's inputs, for --check
         r.x = Alloc<uint8_t>(tokens * kXRow);
         r.x_sf = Alloc<uint8_t>(tokens * kSfRow);
         r.ids = Alloc<int32_t>(tokens * kTopK);
@@ -319,11 +450,14 @@ int main(int argc, char** argv) {
         r.send_slot = Alloc<int32_t>(tokens * n);
         r.expert_out = Alloc<uint8_t>(n * tokens * kCombineRow);
         r.out = Alloc<uint8_t>(tokens * kCombineRow);
-        std::vector<uint8_t> bytes(tokens * kXRow);
+        std::vector<uint8_t> bytes(tokens * kXRow), sf_bytes(tokens * kSfRow);
         for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+        for (auto& b : sf_bytes) b = static_cast<uint8_t>(rng());
         CK(cudaMemcpy(r.x, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(r.x_sf, sf_bytes.data(), sf_bytes.size(), cudaMemcpyHostToDevice));
         std::vector<int32_t> ids(tokens * kTopK);
-        std::vector<float> weights(tokens * kTopK, 0.125f);
+        std::vector<float> weights(tokens * kTopK);
+        for (auto& w : weights) w = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
         std::vector<int> experts(kExperts);
         for (int e = 0; e < kExperts; ++e) experts[e] = e;
         for (int64_t t = 0; t < tokens; ++t) {
@@ -337,6 +471,13 @@ int main(int argc, char** argv) {
         }
         CK(cudaMemcpy(r.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(r.weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+        if (keep) {  // expert outputs: bf16 of uniform values in [-1, 1)
+          std::vector<uint16_t> expert_out(n * tokens * kHidden);
+          for (auto& v : expert_out) v = FloatToBf16(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng));
+          CK(cudaMemcpy(r.expert_out, expert_out.data(), expert_out.size() * 2, cudaMemcpyHostToDevice));
+          ranks[g].host = {std::move(bytes), std::move(sf_bytes), std::move(ids), std::move(weights),
+                           std::move(expert_out)};
+        }
       }
     }
     auto dispatch = [&](int g, int i) {
@@ -389,6 +530,7 @@ int main(int argc, char** argv) {
     const double per_gpu = routed / n / num_sets;
     row("dispatch", tokens, TimeCalls(ranks, dispatch), per_gpu * (kXRow + kSfRow + kTopK * 8));
     row("combine", tokens, TimeCalls(ranks, combine), per_gpu * kCombineRow);
+    if (check) Check(ranks, tokens);
   }
   std::printf("]}\n");
   return 0;
