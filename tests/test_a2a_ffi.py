@@ -106,14 +106,15 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
 
 # On GPUs a dispatch of more than 512 tokens numbers its slots with a scan over the sender blocks' counts (each block
 # counts its own range and adds up the earlier blocks'), smaller ones by counting every token before a block's range.
-@pytest.mark.parametrize("case", ["random", "invalid", "nobody_to_rank0"])
-@pytest.mark.parametrize("num_tokens", [513, 2731])
-def test_large_dispatch_combine_equal_the_twin(case, num_tokens):
+# 700 tokens of 8 KiB rows (4 pieces) give an H200's sender blocks 10-11 tokens each: items of two pieces.
+@pytest.mark.parametrize("case,num_tokens,hidden", [(case, n, 64) for case in ("random", "invalid", "nobody_to_rank0")
+                                                    for n in (513, 2731)] + [("random", 700, 4096)])
+def test_large_dispatch_combine_equal_the_twin(case, num_tokens, hidden):
   mesh = _mesh()
   num_ranks, top_k = mesh.shape[AXIS], 8
   num_experts = 4 * num_ranks
-  x, _, ids, weights = _inputs(mesh, num_tokens + len(case), num_tokens, 64, top_k, num_experts, case)
-  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=64, top_k=top_k, timeout_s=20) as ws:
+  x, _, ids, weights = _inputs(mesh, num_tokens + len(case), num_tokens, hidden, top_k, num_experts, case)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, timeout_s=20) as ws:
     got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")
     want = _run(mesh, None, x, None, ids, weights, num_experts, "reference")
     _assert_outputs_equal(got, want)

@@ -554,10 +554,13 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
     StoreRelaxedSys(reinterpret_cast<uint64_t*>(p.peers.base[threadIdx.x] + buf + p.off_counts) + p.me,
                     CountWord(e, base[threadIdx.x]));
   }
-  // An item is one piece of a token, or its whole row once the range has enough rows to occupy every warp twice:
-  // fewer, larger items need fewer fences (one per item and warp).
+  // An item is `group` pieces of a token: its whole row once the range has a row for every warp, else two pieces where
+  // the rows split so and the range has two pieces for every warp, else one. Fewer, larger items need fewer fences
+  // (one per item and warp) and have more pieces in flight per load. On one H200 as two ranks (33 sender blocks), per
+  // dispatch: 2.1 us less at 256 tokens and 5.8 at 512, against whole rows only from two rows per warp; level at 128.
   const int64_t pieces = Pieces(p.x_row);
-  const int64_t group = (end - begin) >= 2 * kWarps ? pieces : 1, per_token = pieces / group;
+  const int whole = static_cast<int>(pieces), per_warp = static_cast<int>((end - begin) * pieces / kWarps);
+  const int64_t group = per_warp >= whole ? whole : whole % 2 == 0 && per_warp >= 2 ? 2 : 1, per_token = pieces / group;
   const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.x_sf, p.recv_sf), ll = UsesLL(p);
   const int64_t items = (end - begin) * per_token;
   FencedReady pending;
