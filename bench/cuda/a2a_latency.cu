@@ -9,9 +9,8 @@
 // a jitted chain of distinct inputs, a call finds them in HBM rather than in L2 (--sets 1: the L2-hot case).
 // DeepSeek-V3 shapes: hidden 7168, FP8 wire (7168 bytes + 56 float32 scales per row), top-8 of 256 experts, random
 // routing, bf16 combine; tokens per rank from the command line after the options (default 1 8 128 512 4096). The
-// workspace offsets come from jax_moe_a2a.layout on stdin (the number of GPUs as ranks, the largest size as
-// capacity). Prints one JSON object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu,
-// gb_per_s}.
+// workspace offsets come from jax_moe_a2a.layout on stdin (the ranks, the largest size as capacity). Prints one JSON
+// object: device, and rows of {op, tokens_per_rank, us_per_call, nvlink_bytes_per_gpu, gb_per_s}.
 //
 // --ranks R runs R ranks on GPU 0 instead, each launching on its own stream with 1/R of the multiprocessors, so that
 // every rank's grid is resident at once: the peer paths of the protocol on one GPU, without NVLink (its timings are

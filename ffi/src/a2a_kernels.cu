@@ -3,11 +3,12 @@
 // NOTES:
 //   - Each op is one kernel whose blocks take one of two roles side by side: senders (blocks [0, p.senders)) store
 //     rows straight into the peers' receive regions, receivers (the rest) consume what has arrived. Rows cross in
-//     kPieceBytes pieces; a sender warp moves one piece of a row, or a whole row once there are enough rows to
-//     occupy every warp twice. After its stores the warp raises each piece's ready word at the destination
-//     (bar.warp.sync, then a fence.acq_rel.sys -- cumulative over the lanes' stores -- then a relaxed
-//     system-scope store of the epoch), so the receive side works on each piece as soon as it lands, while the
-//     rest is still on the wire. Single pieces are fenced two at a time (FencedReady).
+//     kPieceBytes pieces; a sender warp moves one piece of a row at a time, or several (dispatch: two, or a whole
+//     row, as the pieces per warp allow; combine: a whole row once there are enough rows to occupy every warp
+//     twice). After its stores the warp raises each piece's ready word at the destination (bar.warp.sync, then a
+//     fence.acq_rel.sys -- cumulative over the lanes' stores -- then a relaxed system-scope store of the epoch), so
+//     the receive side works on each piece as soon as it lands, while the rest is still on the wire. Single pieces
+//     are fenced two at a time (FencedReady).
 //   - Dispatch senders: block 0 posts this rank's op flag to every destination first; it orders nothing and only
 //     carries the call's signature. A block per contiguous range of tokens numbers them (slots are exclusive prefix
 //     counts in token order, from ballots over the ids before and in its range; past kScanTokens tokens a block
