@@ -29,6 +29,11 @@ def _mesh(num_ranks=None):
   return jax.sharding.Mesh(np.array(devices[:num_ranks]), (AXIS,))
 
 
+def _need_two_ranks(mesh):
+  if mesh.shape[AXIS] < 2:
+    pytest.skip(f"needs at least two devices on the expert axis, this run has {mesh.shape[AXIS]}")
+
+
 def _put(mesh, *arrays):
   sharding = NamedSharding(mesh, P(mesh.axis_names))
   return [None if a is None else jax.device_put(a, sharding) for a in arrays]
@@ -39,7 +44,7 @@ def _routing(rng, num_ranks, num_tokens, top_k, num_experts, case):
   if case == "invalid":
     ids[rng.random(ids.shape) < 0.3] = -1
     ids[0, :] = -1
-    ids[1, 0] = num_experts + 3  # out of range: no expert
+    ids[min(1, len(ids) - 1), 0] = num_experts + 3  # out of range: no expert
   elif case == "one_rank":
     local = num_experts // num_ranks
     ids = rng.integers(0, local, ids.shape).astype(np.int32) + local * (num_ranks - 1)  # all on the last rank
@@ -94,6 +99,8 @@ def _assert_outputs_equal(got, want):
 def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
   mesh = _mesh()
   num_ranks = mesh.shape[AXIS]
+  if case == "nobody_to_rank0":
+    _need_two_ranks(mesh)
   num_experts = 4 * num_ranks
   x, _, ids, weights = _inputs(mesh, num_tokens * 31 + top_k, num_tokens, 96, top_k, num_experts, case)
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=96, top_k=top_k, timeout_s=20) as ws:
@@ -111,6 +118,8 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
                                                     for n in (513, 2731)] + [("random", 700, 4096)])
 def test_large_dispatch_combine_equal_the_twin(case, num_tokens, hidden):
   mesh = _mesh()
+  if case == "nobody_to_rank0":
+    _need_two_ranks(mesh)
   num_ranks, top_k = mesh.shape[AXIS], 8
   num_experts = 4 * num_ranks
   x, _, ids, weights = _inputs(mesh, num_tokens + len(case), num_tokens, hidden, top_k, num_experts, case)
@@ -250,6 +259,7 @@ def _skip_rank(mesh, ws, skipped, num_experts=None):
 
 def test_a_missing_peer_is_an_error_naming_it_and_the_process_stays_usable():
   mesh = _mesh()
+  _need_two_ranks(mesh)
   num_ranks = mesh.shape[AXIS]
   ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32,
                      timeout_s=0.5)
@@ -331,8 +341,9 @@ def test_handler_rejects_a_workspace_too_small_for_the_offsets():
 
 @pytest.mark.gpu
 def test_gpu_uses_peer_memory_on_every_gpu():
-  assert jax.default_backend() == "gpu" and len(jax.devices()) >= 2
+  assert jax.default_backend() == "gpu"
   mesh = _mesh()
+  _need_two_ranks(mesh)
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=8, hidden=8, top_k=1) as ws:
     assert ws.platform == "gpu"
 

@@ -18,7 +18,8 @@ def test_one_process_per_gpu_equals_the_twin():
   if not _ffi.with_cuda():
     pytest.skip("extension built without CUDA")
   num_processes = len(jax.devices())
-  assert num_processes >= 2, "needs at least two GPUs"
+  if num_processes < 2:
+    pytest.skip(f"needs at least two GPUs, this machine has {num_processes}")
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
