@@ -18,6 +18,10 @@
 // bit: send slots, counts, received rows, scales, ids and weights, and the combined rows (float32 sums in rank order
 // rounded to bf16).
 //
+// --missing R checks the bounded waits instead of timing: for each size, every rank but R calls dispatch once (and,
+// after a dispatch of all ranks, combine once) with a 200 ms timeout; each of them must end with its error word naming
+// R (kErrorTimeoutBase + R) within about that time. The workspaces are zeroed before each call, as a fresh one.
+//
 //   nvcc -arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi/src -o a2a_latency \
 //        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
 //   python3 -c 'from jax_moe_a2a import layout as L
@@ -28,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -198,6 +203,8 @@ double TimeCalls(std::vector<Rank>& ranks, Launch launch) {
   return per_call[per_call.size() / 2];
 }
 
+int64_t g_timeout_ns = 5'000'000'000;  // of every wait in the kernels
+
 // The fields that DispatchParams and CombineParams share: who is where, the call's size, flags and epochs.
 template <typename Params>
 void SetShared(Params& p, const jax_moe_a2a::PeerBases& peers, int me, int ranks, int64_t capacity, int64_t tokens,
@@ -210,7 +217,7 @@ void SetShared(Params& p, const jax_moe_a2a::PeerBases& peers, int me, int ranks
   p.buffer_stride = lay.stride;
   p.off_flags = lay.off_flags;
   p.off_sync = lay.off_sync;
-  p.timeout_ns = 5'000'000'000;
+  p.timeout_ns = g_timeout_ns;
   CK(cudaHostGetDevicePointer(&p.error, r.error, 0));
 }
 
@@ -322,11 +329,75 @@ void Check(std::vector<Rank>& ranks, int64_t tokens) {
   }
 }
 
+// Zeroes every rank's workspace block and error word (a fresh workspace: epoch 0, no abort), with no kernel running.
+void ResetWorkspaces(std::vector<Rank>& ranks, const Layout& lay) {
+  for (Rank& r : ranks) {
+    CK(cudaSetDevice(r.device));
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemset(r.block, 0, lay.total));
+    CK(cudaDeviceSynchronize());
+    *r.error = 0;
+  }
+}
+
+// Launches `launch(g, 0)` on every rank but `skip` (-1: none) and waits for them; returns the milliseconds taken.
+template <typename Launch>
+double LaunchAllBut(std::vector<Rank>& ranks, int skip, Launch launch) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int g = 0; g < static_cast<int>(ranks.size()); ++g) {
+    CK(cudaSetDevice(ranks[g].device));
+    if (g != skip) launch(g, 0);
+  }
+  for (Rank& r : ranks) {
+    CK(cudaSetDevice(r.device));
+    CK(cudaStreamSynchronize(r.stream));
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// --missing: a dispatch without rank `missing`, then a combine without it (after a dispatch of all ranks). Prints a
+// row per op (after the timing rows of the empty kernels) with every other rank's error word; exits with 1 unless each names `missing` as the late source.
+template <typename Dispatch, typename Combine>
+void MissingRank(std::vector<Rank>& ranks, const Layout& lay, int64_t tokens, int missing, Dispatch dispatch,
+                 Combine combine) {
+  const int want = jax_moe_a2a::kErrorTimeoutBase + missing;
+  auto report = [&](const char* op, double ms) {
+    bool ok = true;
+    std::printf(", {\"op\": \"%s, rank %d missing\", \"tokens_per_rank\": %lld, \"ms\": %.1f, \"error_words\": [",
+                op, missing, static_cast<long long>(tokens), ms);
+    const char* sep = "";
+    for (int g = 0; g < static_cast<int>(ranks.size()); ++g) {
+      if (g == missing) continue;
+      std::printf("%s%d", sep, *ranks[g].error);
+      sep = ", ";
+      ok = ok && *ranks[g].error == want;
+    }
+    std::printf("]}\n");
+    std::fflush(stdout);
+    if (!ok) {
+      std::printf("--missing: expected every error word to be %d\n", want);
+      std::exit(1);
+    }
+  };
+  ResetWorkspaces(ranks, lay);
+  report("dispatch", LaunchAllBut(ranks, missing, dispatch));
+  ResetWorkspaces(ranks, lay);
+  LaunchAllBut(ranks, -1, dispatch);
+  for (size_t g = 0; g < ranks.size(); ++g) {
+    if (*ranks[g].error != 0) {
+      std::printf("--missing: the dispatch of every rank failed on GPU %zu: error word %d\n", g, *ranks[g].error);
+      std::exit(1);
+    }
+  }
+  report("combine", LaunchAllBut(ranks, missing, combine));
+  ResetWorkspaces(ranks, lay);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int64_t> sizes;
-  int num_sets = 8, ranks_on_one = 0;
+  int num_sets = 8, ranks_on_one = 0, missing = -1;
   bool check = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--sets" && i + 1 < argc) {
@@ -341,6 +412,8 @@ int main(int argc, char** argv) {
         std::printf("--ranks: expected a count in [1, %d], got %s\n", jax_moe_a2a::kMaxRanks, argv[i]);
         return 1;
       }
+    } else if (std::string(argv[i]) == "--missing" && i + 1 < argc) {
+      missing = std::atoi(argv[++i]);
     } else if (std::string(argv[i]) == "--check") {
       check = true;
     } else {
@@ -348,6 +421,7 @@ int main(int argc, char** argv) {
     }
   }
   if (sizes.empty()) sizes = {1, 8, 128, 512, 4096};
+  if (missing != -1) g_timeout_ns = 200'000'000;
   const Layout lay = Layout::Read(stdin);
   std::fprintf(stderr, "layout: %d ranks, capacity %lld, %lld bytes, buffer stride %lld, sync at %lld\n", lay.ranks,
                static_cast<long long>(lay.capacity), static_cast<long long>(lay.total),
@@ -360,6 +434,10 @@ int main(int argc, char** argv) {
   }
   if (ranks_on_one > 0) gpus = 1;
   const int n = ranks_on_one > 0 ? ranks_on_one : gpus;  // ranks
+  if (missing != -1 && (n < 2 || missing < 0 || missing >= n)) {
+    std::printf("--missing: expected a rank in [0, %d) of at least two ranks, got %d\n", n, missing);
+    return 1;
+  }
   for (int a = 0; a < gpus; ++a) {
     CK(cudaSetDevice(a));
     for (int b = 0; b < gpus; ++b) {
@@ -526,6 +604,10 @@ int main(int argc, char** argv) {
       p.signature = 2;
       CK(jax_moe_a2a::LaunchCombine(ranks[g].stream, ranks[g].num_sms, p));
     };
+    if (missing >= 0) {
+      MissingRank(ranks, lay, tokens, missing, dispatch, combine);
+      continue;
+    }
     const double per_gpu = routed / n / num_sets;
     row("dispatch", tokens, TimeCalls(ranks, dispatch), per_gpu * (kXRow + kSfRow + kTopK * 8));
     row("combine", tokens, TimeCalls(ranks, combine), per_gpu * kCombineRow);

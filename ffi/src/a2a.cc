@@ -37,6 +37,22 @@ namespace {
 constexpr char kDispatchOp[] = "jax_moe_a2a_dispatch";
 constexpr char kCombineOp[] = "jax_moe_a2a_combine";
 
+// The attributes of a call (a2a.Workspace.attrs), decoded by name at the end of this file; members in that
+// decoding's order. Offsets are workspace byte offsets of buffer 0 (buffer b adds b * buffer_stride).
+struct DispatchAttrs {
+  int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
+  int64_t num_experts;
+  int64_t off_x, off_x_sf, off_ids, off_weights, off_counts, off_ready;
+  int64_t off_ll;    // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, ll_row_bytes per row
+  int64_t off_scan;  // the sender blocks' counts: [kScanBlocks, num_ranks] uint64 (GPU kernels)
+  int64_t ll_tokens, ll_row_bytes;
+};
+
+struct CombineAttrs {
+  int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
+  int64_t off_combine, off_ready;
+};
+
 // ---------------------------------------------------------------------------------------------------------------
 // Shape checks and workspace geometry (shared by both platforms)
 // ---------------------------------------------------------------------------------------------------------------
@@ -48,21 +64,17 @@ int64_t RowBytes(const ffi::AnyBuffer& b, int64_t leading) {
   return leading == 0 ? 0 : static_cast<int64_t>(b.size_bytes()) / leading;
 }
 
-struct DispatchGeometry {
-  int64_t num_ranks, num_tokens, top_k, capacity, num_local_experts;
+// The call's shape with its attributes (DispatchAttrs): what the handlers work from.
+struct DispatchGeometry : DispatchAttrs {
+  int64_t num_tokens, top_k, num_local_experts;
   int64_t x_row, sf_row;  // bytes
-  // Workspace byte offsets of buffer 0; buffer b adds b * buffer_stride.
-  int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
-  // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, rows of ll_row bytes (layout.ll_row_bytes).
-  int64_t off_ll, ll_tokens, ll_row;
-  int64_t off_scan;  // the sender blocks' counts: [kScanBlocks, num_ranks] uint64 (GPU kernels)
 };
 
 ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, const ffi::Buffer<ffi::S32>& ids,
                          const ffi::Buffer<ffi::F32>& weights, const ffi::AnyBuffer& recv_x,
                          const ffi::AnyBuffer& recv_x_sf, const ffi::Buffer<ffi::S32>& recv_ids,
                          const ffi::Buffer<ffi::F32>& recv_weights, const ffi::Buffer<ffi::S32>& recv_counts,
-                         const ffi::Buffer<ffi::S32>& send_slot, int64_t num_experts, DispatchGeometry* g) {
+                         const ffi::Buffer<ffi::S32>& send_slot, DispatchGeometry* g) {
   const auto id_dims = ids.dimensions();
   if (id_dims.size() != 2) return InvalidArg(kDispatchOp, "topk_ids", "[T, top_k]", DimsToString(id_dims));
   g->num_tokens = id_dims[0];
@@ -79,15 +91,15 @@ ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, co
   if (x_sf.dimensions().size() == 0 || x_sf.dimensions()[0] != t) {
     return InvalidArg(kDispatchOp, "x_sf", "[T = " + std::to_string(t) + ", ...]", DimsToString(x_sf.dimensions()));
   }
-  if (num_experts <= 0 || num_experts % r != 0) {
+  if (g->num_experts <= 0 || g->num_experts % r != 0) {
     return InvalidArg(kDispatchOp, "num_experts", "a positive multiple of num_ranks = " + std::to_string(r),
-                      num_experts);
+                      g->num_experts);
   }
   if (g->capacity < t) {
     return InvalidArg(kDispatchOp, "capacity (the workspace's tokens per rank)", ">= T = " + std::to_string(t),
                       g->capacity);
   }
-  g->num_local_experts = num_experts / r;
+  g->num_local_experts = g->num_experts / r;
   g->x_row = RowBytes(x, t);
   g->sf_row = RowBytes(x_sf, t);
   auto expect = [&](const char* name, int64_t got_bytes, int64_t want_bytes, ffi::DataType got_dt,
@@ -123,17 +135,17 @@ ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, co
 // Bytes of a device's block that the dispatch touches: both buffers' regions, the flags, epochs and scan words.
 int64_t DispatchNeededBytes(const DispatchGeometry& g) {
   const int64_t slots = g.num_ranks * g.capacity;
-  int64_t end = std::max({g.off_x + slots * g.x_row, g.off_sf + slots * g.sf_row,
+  int64_t end = std::max({g.off_x + slots * g.x_row, g.off_x_sf + slots * g.sf_row,
                           g.off_ids + slots * g.top_k * 4, g.off_weights + slots * g.top_k * 4,
                           g.off_counts + g.num_ranks * 8, g.off_ready + slots * Pieces(g.x_row) * 4,
-                          g.off_ll + g.num_ranks * g.ll_tokens * g.ll_row});
+                          g.off_ll + g.num_ranks * g.ll_tokens * g.ll_row_bytes});
   return std::max({end + g.buffer_stride, g.off_flags + 2 * g.num_ranks * 8, g.off_sync + SyncBytes(),
                    g.off_scan + kScanBlocks * g.num_ranks * 8});
 }
 
-std::string DispatchSignature(const DispatchGeometry& g, int64_t num_experts) {
+std::string DispatchSignature(const DispatchGeometry& g) {
   std::ostringstream os;
-  os << "op=dispatch T=" << g.num_tokens << " top_k=" << g.top_k << " num_experts=" << num_experts
+  os << "op=dispatch T=" << g.num_tokens << " top_k=" << g.top_k << " num_experts=" << g.num_experts
      << " x_row_bytes=" << g.x_row << " x_sf_row_bytes=" << g.sf_row;
   return os.str();
 }
@@ -144,9 +156,9 @@ ffi::Error PrepareDispatch(int32_t device, const ffi::AnyBuffer& x, const ffi::A
                            const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& recv_x_sf,
                            const ffi::Buffer<ffi::S32>& recv_ids, const ffi::Buffer<ffi::F32>& recv_weights,
                            const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& send_slot,
-                           int64_t num_experts, int64_t workspace, bool cuda, DispatchGeometry* g, CallSite* site) {
+                           bool cuda, DispatchGeometry* g, CallSite* site) {
   if (auto e = CheckDispatch(x, x_sf, ids, weights, recv_x, recv_x_sf, recv_ids, recv_weights, recv_counts,
-                             send_slot, num_experts, g);
+                             send_slot, g);
       e.failure())
     return e;
   if (cuda && g->num_ranks > kMaxRanks) {
@@ -163,10 +175,11 @@ ffi::Error PrepareDispatch(int32_t device, const ffi::AnyBuffer& x, const ffi::A
                       std::to_string(g->sf_row) + " scale bytes (LL form needs multiples of 16 and 4)", g->ll_tokens);
   }
   const int64_t ll_min = 2 * (g->x_row + g->sf_row + 8 * g->top_k);
-  if (g->ll_tokens > 0 && (g->ll_row < ll_min || g->ll_row % 16 != 0)) {
-    return InvalidArg(kDispatchOp, "ll_row_bytes", "a multiple of 16, >= " + std::to_string(ll_min), g->ll_row);
+  if (g->ll_tokens > 0 && (g->ll_row_bytes < ll_min || g->ll_row_bytes % 16 != 0)) {
+    return InvalidArg(kDispatchOp, "ll_row_bytes", "a multiple of 16, >= " + std::to_string(ll_min),
+                      g->ll_row_bytes);
   }
-  return ResolveCallSite(kDispatchOp, workspace, device, g->num_ranks, DispatchNeededBytes(*g), cuda, site);
+  return ResolveCallSite(kDispatchOp, g->workspace, device, g->num_ranks, DispatchNeededBytes(*g), cuda, site);
 }
 
 // Slots, in token order: slot[t * R + r] (-1: not sent), counts[r]. Returns the destinations of each token.
@@ -196,21 +209,17 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
                            ffi::Result<ffi::AnyBuffer> recv_x_sf, ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
-                           ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                           int64_t ll_row_bytes, int64_t ll_tokens, int64_t num_experts, int64_t num_ranks,
-                           int64_t off_counts, int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready,
-                           int64_t off_scan, int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf,
-                           int64_t workspace) {
-  DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes, off_scan};
+                           ffi::Result<ffi::Buffer<ffi::S32>> send_slot, DispatchAttrs attrs) {
+  DispatchGeometry g{attrs};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
-                               *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/false, &g, &site);
+                               *recv_counts, *send_slot, /*cuda=*/false, &g, &site);
       e.failure())
     return e;
   Workspace& ws = *site.ws;
   const int me = site.rank;
   const int64_t t_count = g.num_tokens, top_k = g.top_k, local = g.num_local_experts, cap = g.capacity;
+  const int64_t num_ranks = g.num_ranks, num_experts = g.num_experts;
   auto& calls = ws.calls[device][static_cast<int>(A2aOp::kDispatch)];
   const int64_t buf = static_cast<int64_t>(calls & 1) * g.buffer_stride;
 
@@ -230,7 +239,7 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
       uint8_t* dst = ws.base[site.group][r] + buf;
       const int64_t row = me * cap + j;
       std::memcpy(dst + g.off_x + row * g.x_row, xp + t * g.x_row, g.x_row);
-      std::memcpy(dst + g.off_sf + row * g.sf_row, sfp + t * g.sf_row, g.sf_row);
+      std::memcpy(dst + g.off_x_sf + row * g.sf_row, sfp + t * g.sf_row, g.sf_row);
       auto* dst_ids = reinterpret_cast<int32_t*>(dst + g.off_ids) + row * top_k;
       auto* dst_w = reinterpret_cast<float*>(dst + g.off_weights) + row * top_k;
       for (int64_t k = 0; k < top_k; ++k) {
@@ -247,7 +256,7 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
   }
 
   // Meet: every rank of the group has put (the mutex orders the memory).
-  if (auto e = ws.rendezvous[site.group]->Arrive(me, DispatchSignature(g, num_experts), ws.timeout, kDispatchOp);
+  if (auto e = ws.rendezvous[site.group]->Arrive(me, DispatchSignature(g), ws.timeout, kDispatchOp);
       e.failure()) {
     ws.Fail(e.message());
     return e;
@@ -267,7 +276,7 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
       const int64_t o = s * t_count + j, w = s * cap + j;
       if (j < n) {
         std::memcpy(out_x + o * g.x_row, mine + g.off_x + w * g.x_row, g.x_row);
-        std::memcpy(out_sf + o * g.sf_row, mine + g.off_sf + w * g.sf_row, g.sf_row);
+        std::memcpy(out_sf + o * g.sf_row, mine + g.off_x_sf + w * g.sf_row, g.sf_row);
         std::memcpy(out_ids + o * top_k, mine + g.off_ids + w * top_k * 4, top_k * 4);
         std::memcpy(out_w + o * top_k, mine + g.off_weights + w * top_k * 4, top_k * 4);
       } else {
@@ -284,9 +293,9 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
   return ffi::Error::Success();
 }
 
-struct CombineGeometry {
-  int64_t num_ranks, num_tokens, hidden, capacity, in_bytes, out_bytes;
-  int64_t off_combine, off_ready, buffer_stride, off_flags, off_sync;
+// The call's shape with its attributes (CombineAttrs).
+struct CombineGeometry : CombineAttrs {
+  int64_t num_tokens, hidden, in_bytes, out_bytes;
 };
 
 bool IsCombineFloat(ffi::DataType dt) { return dt == ffi::DataType::BF16 || dt == ffi::DataType::F32; }
@@ -341,14 +350,14 @@ std::string CombineSignature(const CombineGeometry& g) {
 
 // The shared first half of both combine handlers.
 ffi::Error PrepareCombine(int32_t device, const ffi::AnyBuffer& expert_out,
-                          const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& send_slot, const ffi::AnyBuffer& out, int64_t workspace,
-                          bool cuda, CombineGeometry* g, CallSite* site) {
+                          const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& send_slot,
+                          const ffi::AnyBuffer& out, bool cuda, CombineGeometry* g, CallSite* site) {
   if (auto e = CheckCombine(expert_out, recv_counts, send_slot, out, g); e.failure()) return e;
   if (cuda && g->num_ranks > kMaxRanks) {
     return InvalidArg(kCombineOp, "num_ranks", "<= " + std::to_string(kMaxRanks) + " on GPUs", g->num_ranks);
   }
   if (cuda && g->hidden % 8 != 0) return InvalidArg(kCombineOp, "hidden", "a multiple of 8 on GPUs", g->hidden);
-  return ResolveCallSite(kCombineOp, workspace, device, g->num_ranks, CombineNeededBytes(*g), cuda, site);
+  return ResolveCallSite(kCombineOp, g->workspace, device, g->num_ranks, CombineNeededBytes(*g), cuda, site);
 }
 
 inline float LoadFloat(const uint8_t* p, int64_t bytes) {
@@ -381,12 +390,10 @@ inline void StoreFloat(uint8_t* p, int64_t bytes, float f) {
 }
 
 ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer<ffi::S32> recv_counts,
-                          ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride,
-                          int64_t capacity, int64_t num_ranks, int64_t off_combine, int64_t off_flags,
-                          int64_t off_ready, int64_t off_sync, int64_t workspace) {
-  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, off_ready, buffer_stride, off_flags, off_sync};
+                          ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out, CombineAttrs attrs) {
+  CombineGeometry g{attrs};
   CallSite site;
-  if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, workspace, /*cuda=*/false, &g, &site);
+  if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, /*cuda=*/false, &g, &site);
       e.failure())
     return e;
   Workspace& ws = *site.ws;
@@ -394,6 +401,7 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
   auto& calls = ws.calls[device][static_cast<int>(A2aOp::kCombine)];
   const int64_t buf = static_cast<int64_t>(calls & 1) * g.buffer_stride;
   const int64_t row_bytes = g.hidden * g.in_bytes, t_count = g.num_tokens, cap = g.capacity;
+  const int64_t num_ranks = g.num_ranks;
 
   // Put: my rows for source s go back into s's combine region, at [me, slot].
   const auto* src = static_cast<const uint8_t*>(expert_out.untyped_data());
@@ -469,16 +477,11 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
                             ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
-                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, int64_t buffer_stride, int64_t capacity,
-                            int64_t ll_row_bytes, int64_t ll_tokens, int64_t num_experts, int64_t num_ranks,
-                            int64_t off_counts, int64_t off_flags, int64_t off_ids, int64_t off_ll, int64_t off_ready,
-                            int64_t off_scan, int64_t off_sync, int64_t off_weights, int64_t off_x, int64_t off_x_sf,
-                            int64_t workspace) {
-  DispatchGeometry g{num_ranks, 0, 0, capacity, 0, 0, 0, off_x, off_x_sf, off_ids, off_weights, off_counts,
-                     off_ready, buffer_stride, off_flags, off_sync, off_ll, ll_tokens, ll_row_bytes, off_scan};
+                            ffi::Result<ffi::Buffer<ffi::S32>> send_slot, DispatchAttrs attrs) {
+  DispatchGeometry g{attrs};
   CallSite site;
   if (auto e = PrepareDispatch(device, x, x_sf, ids, weights, *recv_x, *recv_x_sf, *recv_ids, *recv_weights,
-                               *recv_counts, *send_slot, num_experts, workspace, /*cuda=*/true, &g, &site);
+                               *recv_counts, *send_slot, /*cuda=*/true, &g, &site);
       e.failure())
     return e;
   if (g.num_tokens == 0) return ffi::Error::Success();
@@ -486,11 +489,11 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   DispatchParams p{};
   p.peers = Peers(ws, site.group);
   p.me = site.rank;
-  p.num_ranks = static_cast<int>(num_ranks);
+  p.num_ranks = static_cast<int>(g.num_ranks);
   p.capacity = g.capacity;
   p.num_tokens = g.num_tokens;
   p.top_k = g.top_k;
-  p.num_experts = num_experts;
+  p.num_experts = g.num_experts;
   p.x_row = g.x_row;
   p.sf_row = g.sf_row;
   p.x = static_cast<const uint8_t*>(x.untyped_data());
@@ -504,7 +507,7 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.recv_counts = recv_counts->typed_data();
   p.send_slot = send_slot->typed_data();
   p.off_x = g.off_x;
-  p.off_sf = g.off_sf;
+  p.off_sf = g.off_x_sf;
   p.off_ids = g.off_ids;
   p.off_weights = g.off_weights;
   p.off_counts = g.off_counts;
@@ -512,12 +515,12 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.off_ll = g.off_ll;
   p.off_scan = g.off_scan;
   p.ll_tokens = g.ll_tokens;
-  p.ll_row = g.ll_row;
+  p.ll_row = g.ll_row_bytes;
   p.buffer_stride = g.buffer_stride;
   p.off_flags = g.off_flags;
   p.off_sync = g.off_sync;
   p.timeout_ns = ws.timeout.count();
-  p.signature = Signature16(DispatchSignature(g, num_experts));
+  p.signature = Signature16(DispatchSignature(g));
   p.error = ws.cuda_error_dev[device];
   ScopedDevice scoped(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchDispatch(stream, ws.cuda_num_sms[device], p));
@@ -526,12 +529,10 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> send_slot,
-                           ffi::Result<ffi::AnyBuffer> out, int64_t buffer_stride, int64_t capacity,
-                           int64_t num_ranks, int64_t off_combine, int64_t off_flags, int64_t off_ready,
-                           int64_t off_sync, int64_t workspace) {
-  CombineGeometry g{num_ranks, 0, 0, capacity, 0, 0, off_combine, off_ready, buffer_stride, off_flags, off_sync};
+                           ffi::Result<ffi::AnyBuffer> out, CombineAttrs attrs) {
+  CombineGeometry g{attrs};
   CallSite site;
-  if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, workspace, /*cuda=*/true, &g, &site);
+  if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, /*cuda=*/true, &g, &site);
       e.failure())
     return e;
   if (g.num_tokens == 0) return ffi::Error::Success();
@@ -539,7 +540,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
   CombineParams p{};
   p.peers = Peers(ws, site.group);
   p.me = site.rank;
-  p.num_ranks = static_cast<int>(num_ranks);
+  p.num_ranks = static_cast<int>(g.num_ranks);
   p.capacity = g.capacity;
   p.num_tokens = g.num_tokens;
   p.hidden = g.hidden;
@@ -568,7 +569,24 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
 
 }  // namespace jax_moe_a2a
 
-// Attributes are listed in alphabetical order of their names.
+// The attributes of each call decode by name into DispatchAttrs / CombineAttrs.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_moe_a2a::DispatchAttrs, xla::ffi::StructMember<int64_t>("buffer_stride"),
+    xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("num_ranks"),
+    xla::ffi::StructMember<int64_t>("off_flags"), xla::ffi::StructMember<int64_t>("off_sync"),
+    xla::ffi::StructMember<int64_t>("workspace"), xla::ffi::StructMember<int64_t>("num_experts"),
+    xla::ffi::StructMember<int64_t>("off_x"), xla::ffi::StructMember<int64_t>("off_x_sf"),
+    xla::ffi::StructMember<int64_t>("off_ids"), xla::ffi::StructMember<int64_t>("off_weights"),
+    xla::ffi::StructMember<int64_t>("off_counts"), xla::ffi::StructMember<int64_t>("off_ready"),
+    xla::ffi::StructMember<int64_t>("off_ll"), xla::ffi::StructMember<int64_t>("off_scan"),
+    xla::ffi::StructMember<int64_t>("ll_tokens"), xla::ffi::StructMember<int64_t>("ll_row_bytes"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_moe_a2a::CombineAttrs, xla::ffi::StructMember<int64_t>("buffer_stride"),
+    xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("num_ranks"),
+    xla::ffi::StructMember<int64_t>("off_flags"), xla::ffi::StructMember<int64_t>("off_sync"),
+    xla::ffi::StructMember<int64_t>("workspace"), xla::ffi::StructMember<int64_t>("off_combine"),
+    xla::ffi::StructMember<int64_t>("off_ready"));
+
 #define JAX_MOE_A2A_DISPATCH_BINDING(platform_ctx)                        \
   xla::ffi::Ffi::Bind() platform_ctx                                      \
       .Ctx<xla::ffi::DeviceOrdinal>()         /* device */                \
@@ -582,23 +600,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Ret<xla::ffi::Buffer<xla::ffi::F32>>() /* recv_topk_weights */     \
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_counts [R] */       \
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */      \
-      .Attr<int64_t>("buffer_stride")                                     \
-      .Attr<int64_t>("capacity")                                          \
-      .Attr<int64_t>("ll_row_bytes")                                      \
-      .Attr<int64_t>("ll_tokens")                                         \
-      .Attr<int64_t>("num_experts")                                       \
-      .Attr<int64_t>("num_ranks")                                         \
-      .Attr<int64_t>("off_counts")                                        \
-      .Attr<int64_t>("off_flags")                                         \
-      .Attr<int64_t>("off_ids")                                           \
-      .Attr<int64_t>("off_ll")                                            \
-      .Attr<int64_t>("off_ready")                                         \
-      .Attr<int64_t>("off_scan")                                          \
-      .Attr<int64_t>("off_sync")                                          \
-      .Attr<int64_t>("off_weights")                                       \
-      .Attr<int64_t>("off_x")                                             \
-      .Attr<int64_t>("off_x_sf")                                          \
-      .Attr<int64_t>("workspace")
+      .Attrs<jax_moe_a2a::DispatchAttrs>()
 
 #define JAX_MOE_A2A_COMBINE_BINDING(platform_ctx)                          \
   xla::ffi::Ffi::Bind() platform_ctx                                       \
@@ -607,14 +609,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_counts [R] */        \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */       \
       .Ret<xla::ffi::AnyBuffer>()             /* out [T, H] */             \
-      .Attr<int64_t>("buffer_stride")                                      \
-      .Attr<int64_t>("capacity")                                           \
-      .Attr<int64_t>("num_ranks")                                          \
-      .Attr<int64_t>("off_combine")                                        \
-      .Attr<int64_t>("off_flags")                                          \
-      .Attr<int64_t>("off_ready")                                          \
-      .Attr<int64_t>("off_sync")                                           \
-      .Attr<int64_t>("workspace")
+      .Attrs<jax_moe_a2a::CombineAttrs>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu, jax_moe_a2a::DispatchCpuImpl, JAX_MOE_A2A_DISPATCH_BINDING());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu, jax_moe_a2a::CombineCpuImpl, JAX_MOE_A2A_COMBINE_BINDING());

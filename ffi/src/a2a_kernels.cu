@@ -504,7 +504,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
   __shared__ uint64_t own_masks[kOwnMasks];
   __shared__ int32_t own_slots[kOwnSlots];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int local = static_cast<int>(p.num_experts / p.num_ranks);
+  const Routing routing = RoutingOf(p);
   const int64_t per_block = (p.num_tokens + p.senders - 1) / p.senders;
   const int64_t begin = min(p.num_tokens, blockIdx.x * per_block), end = min(p.num_tokens, begin + per_block);
   // Token t's slot on each rank (-1: none), t in [begin, end).
@@ -523,18 +523,18 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
   // own ids (one round trip less before its first send).
   const bool scan = p.num_tokens > kScanTokens, counted = scan || begin > 0;
   if (scan) {
-    CountDestinations(RoutingOf(p), begin, end, begin, end, own_counts, own_masks);
+    CountDestinations(routing, begin, end, begin, end, own_counts, own_masks);
     __syncthreads();
     AddEarlierBlocks(reinterpret_cast<uint64_t*>(p.peers.base[p.me] + p.off_scan), p.num_ranks, e, own_counts, base);
   } else if (counted) {
-    CountDestinations(RoutingOf(p), 0, begin, begin, end, base, own_masks);
+    CountDestinations(routing, 0, begin, begin, end, base, own_masks);
   }
   __syncthreads();
   if (warp == 0) {
     for (int64_t c = begin; c < end; c += 32) {
       const int64_t t = c + lane;
       const uint64_t mask =
-          t >= end ? 0 : counted && t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(RoutingOf(p), t);
+          t >= end ? 0 : counted && t - begin < kOwnMasks ? own_masks[t - begin] : DestMask(routing, t);
       for (int r = 0; r < p.num_ranks; ++r) {
         const bool dest = (mask >> r) & 1;
         const unsigned ballot = __ballot_sync(0xFFFFFFFFu, dest);
@@ -632,7 +632,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
         if (ll && !self) {
           uint64_t* units = LLRow(p, p.peers.base[r] + buf, p.me, slots[r]) + p.x_row / 4;
           for (int64_t k = lane; k < p.sf_row / 4 + 2 * p.top_k; k += 32) {
-            StoreUnit(units + k, MetaWord(p, t, k, r, local), static_cast<uint32_t>(e));
+            StoreUnit(units + k, MetaWord(p, t, k, r, routing.local), static_cast<uint32_t>(e));
           }
           continue;
         }
@@ -642,13 +642,13 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
         auto* dst_ids = self ? p.recv_ids : reinterpret_cast<int32_t*>(dst + p.off_ids);
         auto* dst_w = self ? p.recv_weights : reinterpret_cast<float*>(dst + p.off_weights);
         if (meta_in_lanes) {
-          meta.ForRank(p, r, local).Store(p, dst_sf + row * p.sf_row, dst_ids + row * p.top_k, dst_w + row * p.top_k,
-                                          lane);
+          meta.ForRank(p, r, routing.local)
+              .Store(p, dst_sf + row * p.sf_row, dst_ids + row * p.top_k, dst_w + row * p.top_k, lane);
           continue;
         }
         WarpCopy(dst_sf + row * p.sf_row, p.x_sf + t * p.sf_row, p.sf_row, lane);
         for (int64_t k = lane; k < p.top_k; k += 32) {
-          const int32_t id = LocalExpert(p.ids[t * p.top_k + k], r, local, static_cast<int>(p.num_experts));
+          const int32_t id = LocalExpert(p.ids[t * p.top_k + k], r, routing.local, static_cast<int>(p.num_experts));
           dst_ids[row * p.top_k + k] = id;
           dst_w[row * p.top_k + k] = id < 0 ? 0.0f : p.weights[t * p.top_k + k];
         }
@@ -806,18 +806,11 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
     }
     int64_t t0 = 0;
     for (;;) {
-      const unsigned left = __ballot_sync(0xFFFFFFFFu, pending);
-      if (left == 0) break;
+      if (!__any_sync(0xFFFFFFFFu, pending)) break;
       const bool go = pending && (word == nullptr || LoadAcquireSys(word) == static_cast<uint32_t>(e));
       unsigned todo = __ballot_sync(0xFFFFFFFFu, go);
       if (todo == 0) {
-        if (t0 == 0) t0 = GlobalTimerNs();
-        bool stop = w.Aborted();
-        if (!stop && GlobalTimerNs() - t0 > p.timeout_ns) {
-          if (lane == __ffs(left) - 1) Fail(w.abort, w.error, kErrorTimeoutBase + src);
-          stop = true;
-        }
-        if (__any_sync(0xFFFFFFFFu, stop)) return;
+        if (__any_sync(0xFFFFFFFFu, pending && w.GiveUp(t0, src))) return;
         continue;
       }
       __syncwarp();  // the polling lanes' acquires happen before every lane's loads below
