@@ -340,7 +340,8 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
     workspace: the `Workspace` of the one-sided custom call (created once, outside jit, for this mesh axis).
     impl: "ffi" (the one-sided custom call jax_moe_a2a_dispatch; needs `workspace`), "reference" (the pure-JAX
       twin on `jax.lax.all_to_all`) or "auto" (ffi when a workspace is given and the extension has handlers for
-      the backend). The handle remembers the choice for `combine`. Gradients use the twin's backward.
+      the backend). The handle remembers the choice for `combine`. Gradients use the twin's backward. A call of
+      no tokens needs no exchange and takes the twin.
 
   Returns:
     ``(result, handle)``: the `DispatchResult` this rank received (``[num_ranks, num_tokens, ...]`` per shard)
@@ -373,6 +374,9 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
   use_ffi = _resolve_a2a_impl("dispatch", impl, workspace)
   if use_ffi:
     workspace.check_dispatch(x, x_sf, top_k, num_ranks)
+    # No tokens (on every rank alike: shapes are static): nothing to move; the twin gives the empty results and
+    # zero counts without a custom call (XLA does not lower one whose operands are all empty inside shard_map).
+    use_ffi = num_tokens > 0
   st = _DispatchStatic(axis_name=axis_name, num_ranks=num_ranks, num_experts=int(num_experts),
                        x_dtype=x.dtype, x_sf_dtype=None if x_sf is None else x_sf.dtype,
                        workspace=workspace if use_ffi else None)

@@ -111,6 +111,17 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
       assert int(np.asarray(got[4]).reshape(num_ranks, num_ranks)[0].sum()) == 0  # rank 0 received nothing
 
 
+def test_calls_of_zero_tokens_equal_the_twin():
+  """A shard of no tokens still returns counts (all zero) and an empty combine, on a workspace of larger capacity."""
+  mesh = _mesh()
+  num_experts = 2 * mesh.shape[AXIS]
+  x, _, ids, weights = _inputs(mesh, 3, 0, 64, 2, num_experts, "random")
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=4, hidden=64, top_k=2, timeout_s=20) as ws:
+    got = _run(mesh, ws, x, None, ids, weights, num_experts, "ffi")
+    want = _run(mesh, None, x, None, ids, weights, num_experts, "reference")
+  _assert_outputs_equal(got, want)
+
+
 # On GPUs a dispatch of more than 512 tokens numbers its slots with a scan over the sender blocks' counts (each block
 # counts its own range and adds up the earlier blocks'), smaller ones by counting every token before a block's range.
 # 700 tokens of 8 KiB rows (4 pieces) give an H200's sender blocks 10-11 tokens each: items of two pieces.

@@ -484,7 +484,11 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                *recv_counts, *send_slot, /*cuda=*/true, &g, &site);
       e.failure())
     return e;
-  if (g.num_tokens == 0) return ffi::Error::Success();
+  if (g.num_tokens == 0) {  // nothing to move on any rank (shapes are static): no counts to exchange either
+    ScopedDevice scoped(device);
+    JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(recv_counts->typed_data(), 0, g.num_ranks * 4, stream));
+    return ffi::Error::Success();
+  }
   Workspace& ws = *site.ws;
   DispatchParams p{};
   p.peers = Peers(ws, site.group);
