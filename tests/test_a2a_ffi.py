@@ -143,6 +143,46 @@ def test_large_dispatch_combine_equal_the_twin(case, num_tokens, hidden):
       _assert_outputs_equal(_run(mesh, ws, x, None, ids, weights, num_experts, "ffi"), want)
 
 
+# The other two wire formats, as opaque bytes (every byte value, E4M3 and E8M0 NaNs included): MXFP8 (E4M3 rows, an
+# E8M0 scale per 32, scale rows of 7 bytes at hidden 224 or padded to 4 by mx_alignment) and NVFP4 (two E2M1 per
+# byte, an E4M3 scale per 16: rows of 24 + 3 bytes at hidden 48, 3584 + 448 at 7168). On GPUs 8 tokens go in LL
+# form where the rows allow it, 70 in fenced pieces.
+@pytest.mark.parametrize("fmt,hidden,mx_alignment", [("mxfp8", 224, None), ("mxfp8", 96, 128), ("nvfp4", 48, None),
+                                                     ("nvfp4", 7168, None)])
+@pytest.mark.parametrize("num_tokens", [8, 70])
+def test_mxfp8_and_nvfp4_payloads_equal_the_twin(fmt, hidden, mx_alignment, num_tokens):
+  mesh = _mesh()
+  num_ranks, top_k = mesh.shape[AXIS], 4
+  num_experts = 4 * num_ranks
+  d = layout.dispatch_layout(hidden, fmt, top_k=top_k, mx_alignment=mx_alignment)
+  rng = np.random.default_rng(num_tokens + hidden)
+  ids, weights = _routing(rng, num_ranks, num_tokens, top_k, num_experts, "invalid")
+  rows = num_ranks * num_tokens
+  raw = rng.integers(0, 256, (rows, d.x_bytes_per_token + d.x_sf_bytes_per_token), dtype=np.uint8)
+  raw[:, :256] = np.arange(256, dtype=np.uint8)[:min(256, raw.shape[1])]
+  x, x_sf = raw[:, :d.x_bytes_per_token], raw[:, d.x_bytes_per_token:]
+  if fmt == "mxfp8":
+    x, x_sf = x.view(jnp.float8_e4m3fn), x_sf.view(jnp.float8_e8m0fnu)
+  else:
+    x_sf = x_sf.view(jnp.float8_e4m3fn)
+  x, x_sf, ids, weights = _put(mesh, x, x_sf, ids, weights)
+
+  def run(ws, impl):
+    def body(x, x_sf, ids, weights):
+      res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=AXIS, x_sf=x_sf, workspace=ws,
+                                 impl=impl)
+      return (res.recv_x[None], res.recv_x_sf[None], res.recv_topk_ids[None], res.recv_topk_weights[None],
+              res.recv_counts[None], handle.send_slot)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=(P(AXIS),) * 6)
+    return jax.jit(f)(x, x_sf, ids, weights)
+
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k, fmt=fmt,
+                     mx_alignment=mx_alignment, timeout_s=20) as ws:
+    got = run(ws, "ffi")
+  want = run(None, "reference")
+  _assert_outputs_equal(got, want)
+
+
 # Scale rows of 8 bytes (hidden 256), 16 (512) and 224 (7168, DeepSeek-V3): on GPUs the senders move rows that are
 # whole 16-byte vectors in the warp's lanes, loaded with the token's first piece, and the others with a copy.
 @pytest.mark.parametrize("hidden", [256, 512, 7168])
