@@ -331,6 +331,36 @@ def test_a_missing_peer_is_an_error_naming_it_and_the_process_stays_usable():
     np.testing.assert_array_equal(counts[0], np.full(num_ranks, 2))
 
 
+def test_a_peer_calling_with_other_shapes_is_an_error_naming_it():
+  """One rank dispatches one token fewer than the others (a cond on the rank): no rank trusts the exchange; the call
+  (CPU) or the workspace check (GPU) names the rank that called differently."""
+  mesh = _mesh()
+  _need_two_ranks(mesh)
+  num_ranks = mesh.shape[AXIS]
+  odd = num_ranks - 1
+  ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32,
+                     timeout_s=5)
+
+  def body(x, ids, w):
+    def call(n):
+      res, _ = a2a.dispatch(x[:n], ids[:n], w[:n], num_experts=num_ranks, axis_name=AXIS, workspace=ws, impl="ffi")
+      return res.recv_counts
+    me = jax.lax.axis_index(AXIS)
+    return jax.lax.cond(me == odd, lambda: call(1), lambda: call(2))[None]
+
+  x, ids, w = _put(mesh, jnp.ones((num_ranks * 2, 8), jnp.bfloat16), jnp.zeros((num_ranks * 2, 1), jnp.int32),
+                   jnp.ones((num_ranks * 2, 1), jnp.float32))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
+  try:
+    jax.block_until_ready(f(x, ids, w))
+  except Exception as e:  # CPU: the call itself fails
+    others = ", ".join(str(r) for r in range(odd))
+    assert f"ranks [{others}] {{op=dispatch T=2 " in str(e) and f"ranks [{odd}] {{op=dispatch T=1 " in str(e), str(e)
+  with pytest.raises(RuntimeError, match="called with different arguments"):
+    ws.check()
+  ws.close()
+
+
 def test_close_waits_for_calls_already_dispatched():
   """Closing right after an asynchronous call waits for it; its results stay valid and equal the twin's."""
   mesh = _mesh()

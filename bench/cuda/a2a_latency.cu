@@ -20,7 +20,9 @@
 //
 // --missing R checks the bounded waits instead of timing: for each size, every rank but R calls dispatch once (and,
 // after a dispatch of all ranks, combine once) with a 200 ms timeout; each of them must end with its error word naming
-// R (kErrorTimeoutBase + R) within about that time. The workspaces are zeroed before each call, as a fresh one.
+// R (kErrorTimeoutBase + R) within about that time. Then every rank calls, R with another signature (as if with other
+// shapes): the others' error words must name R (kErrorMismatchBase + R), R's another rank. The workspaces are zeroed
+// before each call, as a fresh one.
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi/src -o a2a_latency \
 //        bench/cuda/a2a_latency.cu ffi/src/a2a_kernels.cu
@@ -355,41 +357,59 @@ double LaunchAllBut(std::vector<Rank>& ranks, int skip, Launch launch) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// --missing: a dispatch without rank `missing`, then a combine without it (after a dispatch of all ranks). Prints a
-// row per op (after the timing rows of the empty kernels) with every other rank's error word; exits with 1 unless each names `missing` as the late source.
+// --missing: a dispatch without rank `missing`, then a combine without it (after a dispatch of all ranks); then a
+// dispatch and a combine of all ranks in which `missing` calls with another signature (`odd_rank`, read by the
+// launches). Prints a row per case (after the timing rows of the empty kernels) with every rank's error word; exits
+// with 1 unless each names the expected source.
 template <typename Dispatch, typename Combine>
-void MissingRank(std::vector<Rank>& ranks, const Layout& lay, int64_t tokens, int missing, Dispatch dispatch,
-                 Combine combine) {
-  const int want = jax_moe_a2a::kErrorTimeoutBase + missing;
-  auto report = [&](const char* op, double ms) {
+void Faults(std::vector<Rank>& ranks, const Layout& lay, int64_t tokens, int missing, int& odd_rank,
+            Dispatch dispatch, Combine combine) {
+  const int n = static_cast<int>(ranks.size());
+  auto report = [&](const char* what, double ms, int base) {
     bool ok = true;
-    std::printf(", {\"op\": \"%s, rank %d missing\", \"tokens_per_rank\": %lld, \"ms\": %.1f, \"error_words\": [",
-                op, missing, static_cast<long long>(tokens), ms);
-    const char* sep = "";
-    for (int g = 0; g < static_cast<int>(ranks.size()); ++g) {
-      if (g == missing) continue;
-      std::printf("%s%d", sep, *ranks[g].error);
-      sep = ", ";
-      ok = ok && *ranks[g].error == want;
+    std::printf(", {\"op\": \"%s\", \"rank\": %d, \"tokens_per_rank\": %lld, \"ms\": %.1f, \"error_words\": [", what,
+                missing, static_cast<long long>(tokens), ms);
+    for (int g = 0; g < n; ++g) {
+      const int word = *ranks[g].error;
+      std::printf("%s%d", g ? ", " : "", word);
+      if (g != missing) {
+        ok = ok && word == base + missing;
+      } else if (base == jax_moe_a2a::kErrorMismatchBase) {
+        ok = ok && word >= base && word < base + n && word != base + missing;
+      }
     }
     std::printf("]}\n");
     std::fflush(stdout);
     if (!ok) {
-      std::printf("--missing: expected every error word to be %d\n", want);
+      std::printf("--missing: expected the error words of the other ranks to be %d\n", base + missing);
       std::exit(1);
     }
   };
+  auto all_succeed = [&](const char* what) {
+    for (int g = 0; g < n; ++g) {
+      if (*ranks[g].error != 0) {
+        std::printf("--missing: %s of every rank failed on rank %d: error word %d\n", what, g, *ranks[g].error);
+        std::exit(1);
+      }
+    }
+  };
+  const int timeout = jax_moe_a2a::kErrorTimeoutBase, mismatch = jax_moe_a2a::kErrorMismatchBase;
   ResetWorkspaces(ranks, lay);
-  report("dispatch", LaunchAllBut(ranks, missing, dispatch));
+  report("dispatch, rank missing", LaunchAllBut(ranks, missing, dispatch), timeout);
   ResetWorkspaces(ranks, lay);
   LaunchAllBut(ranks, -1, dispatch);
-  for (size_t g = 0; g < ranks.size(); ++g) {
-    if (*ranks[g].error != 0) {
-      std::printf("--missing: the dispatch of every rank failed on GPU %zu: error word %d\n", g, *ranks[g].error);
-      std::exit(1);
-    }
-  }
-  report("combine", LaunchAllBut(ranks, missing, combine));
+  all_succeed("a dispatch");
+  report("combine, rank missing", LaunchAllBut(ranks, missing, combine), timeout);
+  ResetWorkspaces(ranks, lay);
+  odd_rank = missing;
+  report("dispatch, rank with another signature", LaunchAllBut(ranks, -1, dispatch), mismatch);
+  ResetWorkspaces(ranks, lay);
+  odd_rank = -1;
+  LaunchAllBut(ranks, -1, dispatch);
+  all_succeed("a dispatch");
+  odd_rank = missing;
+  report("combine, rank with another signature", LaunchAllBut(ranks, -1, combine), mismatch);
+  odd_rank = -1;
   ResetWorkspaces(ranks, lay);
 }
 
@@ -557,6 +577,7 @@ int main(int argc, char** argv) {
         }
       }
     }
+    int odd_rank = -1;  // --missing: the rank that calls with another signature
     auto dispatch = [&](int g, int i) {
       const Buffers& r = ranks[g].sets[i % num_sets];
       DispatchParams p{};
@@ -585,7 +606,7 @@ int main(int argc, char** argv) {
       p.off_ll = lay.off_ll;
       p.ll_tokens = lay.ll_tokens;
       p.ll_row = lay.ll_row;
-      p.signature = 1;
+      p.signature = g == odd_rank ? 3 : 1;
       CK(jax_moe_a2a::LaunchDispatch(ranks[g].stream, ranks[g].num_sms, p));
     };
     auto combine = [&](int g, int i) {  // on the routing that dispatch left in set i
@@ -601,11 +622,11 @@ int main(int argc, char** argv) {
       p.out = r.out;
       p.off_combine = lay.off_combine;
       p.off_ready = lay.off_combine_ready;
-      p.signature = 2;
+      p.signature = g == odd_rank ? 4 : 2;
       CK(jax_moe_a2a::LaunchCombine(ranks[g].stream, ranks[g].num_sms, p));
     };
     if (missing >= 0) {
-      MissingRank(ranks, lay, tokens, missing, dispatch, combine);
+      Faults(ranks, lay, tokens, missing, odd_rank, dispatch, combine);
       continue;
     }
     const double per_gpu = routed / n / num_sets;

@@ -3,6 +3,7 @@
 
 #include "a2a_protocol.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -24,16 +25,27 @@ ffi::Error Rendezvous::Arrive(int rank, const std::string& signature, std::chron
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       op_name + ": rank " + std::to_string(rank) + " arrived twice at one meeting point");
   }
-  if (count_ == 0) {
-    first_signature_ = signature;
-    mismatch_.clear();
-  } else if (signature != first_signature_ && mismatch_.empty()) {
-    mismatch_ = op_name + ": ranks of one expert group called with different arguments: rank " +
-                std::to_string(rank) + " has {" + signature + "}, an earlier rank has {" + first_signature_ + "}";
-  }
   arrived_[rank] = true;
+  signatures_[rank] = signature;
   if (++count_ == num_ranks_) {
-    last_mismatch_ = mismatch_;
+    last_mismatch_.clear();
+    if (std::any_of(signatures_.begin(), signatures_.end(), [&](const std::string& s) { return s != signature; })) {
+      // "ranks [0, 1] {sig A}; ranks [2] {sig B}", signatures in the order of their lowest rank.
+      std::ostringstream os;
+      os << op_name << ": ranks of one expert group called with different arguments:";
+      std::vector<bool> listed(num_ranks_, false);
+      for (int r = 0; r < num_ranks_; ++r) {
+        if (listed[r]) continue;
+        os << (r == 0 ? " ranks [" : "; ranks [");
+        for (int q = r, n = 0; q < num_ranks_; ++q) {
+          if (signatures_[q] != signatures_[r]) continue;
+          listed[q] = true;
+          os << (n++ ? ", " : "") << q;
+        }
+        os << "] {" << signatures_[r] << "}";
+      }
+      last_mismatch_ = os.str();
+    }
     count_ = 0;
     arrived_.assign(num_ranks_, false);
     ++generation_;

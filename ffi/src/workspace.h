@@ -43,8 +43,9 @@ constexpr int kNumA2aOps = 2;
 // brings a signature (op, shapes, attributes); the generation completes only if all signatures agree.
 class Rendezvous {
  public:
-  explicit Rendezvous(int num_ranks) : num_ranks_(num_ranks), arrived_(num_ranks, false) {}
-  // Waits until every rank of the group has arrived with the same signature, at most `timeout`.
+  explicit Rendezvous(int num_ranks) : num_ranks_(num_ranks), arrived_(num_ranks, false), signatures_(num_ranks) {}
+  // Waits until every rank of the group has arrived, at most `timeout`; fails every rank of a meeting whose ranks
+  // arrived with different signatures, naming the ranks of each signature.
   ffi::Error Arrive(int rank, const std::string& signature, std::chrono::nanoseconds timeout,
                     const std::string& op_name);
 
@@ -55,10 +56,8 @@ class Rendezvous {
   int count_ = 0;
   uint64_t generation_ = 0;
   std::vector<bool> arrived_;
-  std::vector<std::string> signatures_;
-  std::string first_signature_;
-  std::string mismatch_;       // set by the last arrival when signatures differ
-  std::string last_mismatch_;  // result of the previous generation, read by its waiters
+  std::vector<std::string> signatures_;  // [rank], of this meeting
+  std::string last_mismatch_;            // of the previous meeting, read by its waiters; empty when they agreed
 };
 
 struct Workspace {
