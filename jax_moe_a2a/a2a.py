@@ -88,6 +88,8 @@ class DispatchHandle:
     num_ranks: its size (static).
     num_experts: global expert count (static).
     workspace: the `Workspace` of the one-sided custom calls, or None for the reference path (static).
+    topk_ids: ``[num_tokens, top_k] int32``, per shard: the dispatch's ids, from which the one-sided VJP of
+      `combine` numbers the same slots again; None on the reference path.
   """
 
   send_slot: jax.Array
@@ -96,6 +98,7 @@ class DispatchHandle:
   num_ranks: int
   num_experts: int
   workspace: Optional["Workspace"] = None
+  topk_ids: Optional[jax.Array] = None
 
   @property
   def num_tokens(self) -> int:
@@ -106,7 +109,7 @@ class DispatchHandle:
     return self.num_experts // self.num_ranks
 
 
-jax.tree_util.register_dataclass(DispatchHandle, data_fields=["send_slot", "recv_counts"],
+jax.tree_util.register_dataclass(DispatchHandle, data_fields=["send_slot", "recv_counts", "topk_ids"],
                                  meta_fields=["axis_name", "num_ranks", "num_experts", "workspace"])
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ def _dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
   )
   handle = DispatchHandle(send_slot=send_slot, recv_counts=result.recv_counts, axis_name=ax, num_ranks=num_ranks,
                           num_experts=st.num_experts)
-  return (result, handle), (send_slot, topk_rank)
+  return (result, handle), (send_slot, topk_rank, result.recv_counts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -277,8 +280,8 @@ def _dispatch(st, x, x_sf, topk_ids, topk_weights):
 
 
 def _dispatch_bwd(st: _DispatchStatic, res, cts):
-  send_slot, topk_rank = res
-  ct_result, _ = cts  # the handle's send_slot is an integer output: no cotangent
+  send_slot, topk_rank, recv_counts = res
+  ct_result, _ = cts  # the handle's arrays are integers: no cotangents
   ax = st.axis_name
 
   def back_to_source(ct, dtype):
@@ -286,7 +289,19 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
       return None
     return _sum_from_slots(_exchange(ct, ax), send_slot).astype(dtype)
 
-  dx = back_to_source(ct_result.recv_x, st.x_dtype)
+  ws = st.workspace
+  if (ws is not None and ws.platform != "cpu" and jnp.issubdtype(st.x_dtype, jnp.floating)
+      and ws.fits_combine_rows(ct_result.recv_x)):
+    # The rows' cotangents go back one-sided: a combine over the same slots, the same float32 sum as above. Not on
+    # CPU: there nothing orders this combine after the forward one (XLA:CPU runs independent ops in any order, per
+    # device), and two equal calls would pair up across devices in different orders; a GPU runs each device's calls
+    # in program order.
+    combine_st = _CombineStatic(axis_name=ax, expert_dtype=ws.combine_dtype, out_dtype=jnp.dtype(jnp.float32),
+                                num_experts=st.num_experts, workspace=ws)
+    dx = _ffi_combine(combine_st, ct_result.recv_x.astype(ws.combine_dtype), send_slot, recv_counts)
+    dx = dx.astype(st.x_dtype)
+  else:
+    dx = back_to_source(ct_result.recv_x, st.x_dtype)
   dx_sf = None if st.x_sf_dtype is None else back_to_source(ct_result.recv_x_sf, st.x_sf_dtype)
 
   # Weight k of token t landed at (rank of its expert, that rank's slot, k) and nowhere else.
@@ -340,8 +355,11 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
     workspace: the `Workspace` of the one-sided custom call (created once, outside jit, for this mesh axis).
     impl: "ffi" (the one-sided custom call jax_moe_a2a_dispatch; needs `workspace`), "reference" (the pure-JAX
       twin on `jax.lax.all_to_all`) or "auto" (ffi when a workspace is given and the extension has handlers for
-      the backend). The handle remembers the choice for `combine`. Gradients use the twin's backward. A call of
-      no tokens needs no exchange and takes the twin.
+      the backend). The handle remembers the choice for `combine`. A call of no tokens needs no exchange and
+      takes the twin. With a workspace on GPUs, the VJP returns x's row cotangents by the one-sided combine when
+      the workspace's combine rows hold them exactly (``Workspace.fits_combine_rows``: same hidden, a multiple of
+      8, a dtype that casts into combine_dtype exactly, e.g. bf16 rows into float32 ones), else (and on CPU) by
+      the twin's exchange; the cotangents of x_sf and of the weights always take the twin's.
 
   Returns:
     ``(result, handle)``: the `DispatchResult` this rank received (``[num_ranks, num_tokens, ...]`` per shard)
@@ -394,24 +412,38 @@ class _CombineStatic:
   axis_name: Hashable
   expert_dtype: Any
   out_dtype: Any
+  num_experts: int
   workspace: Optional["Workspace"] = None
 
 
-def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts):
+def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts, topk_ids):
   if st.workspace is not None:
-    return _ffi_combine(st, expert_out, send_slot, recv_counts), send_slot
+    out = _ffi_combine(st, expert_out, send_slot, recv_counts)
+    # One element of the result: the one-sided VJP waits for it, so it follows this call on every device.
+    return out, (send_slot, topk_ids, out.reshape(-1)[:1])
   back = _exchange(expert_out, st.axis_name)
-  return _sum_from_slots(back, send_slot).astype(st.out_dtype), send_slot
+  return _sum_from_slots(back, send_slot).astype(st.out_dtype), (send_slot, topk_ids, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(st, expert_out, send_slot, recv_counts):
-  return _combine_forward(st, expert_out, send_slot, recv_counts)[0]
+def _combine(st, expert_out, send_slot, recv_counts, topk_ids):
+  return _combine_forward(st, expert_out, send_slot, recv_counts, topk_ids)[0]
 
 
-def _combine_bwd(st: _CombineStatic, send_slot, ct_out):
-  send = _scatter_to_slots(ct_out.astype(st.expert_dtype), send_slot, per_rank=False)
-  return _exchange(send, st.axis_name), None, None
+def _combine_bwd(st: _CombineStatic, res, ct_out):
+  send_slot, topk_ids, after = res
+  ct = ct_out.astype(st.expert_dtype)
+  ws = st.workspace
+  if ws is not None and topk_ids is not None and ws.fits_dispatch_rows(ct):
+    # A dispatch of the cotangent rows, one-sided: the kernels number the slots again from the same ids, so each
+    # row lands where the exchange below puts it, and padding rows are zero. It follows the forward combine (and so
+    # the dispatch) on every device: nothing else orders them.
+    dispatch_st = _DispatchStatic(axis_name=st.axis_name, num_ranks=send_slot.shape[1], num_experts=st.num_experts,
+                                  x_dtype=ct.dtype, x_sf_dtype=None, workspace=ws)
+    (result, _), _ = _ffi_dispatch_forward(dispatch_st, ct, None, topk_ids, jnp.zeros_like(topk_ids, jnp.float32),
+                                           after=after)
+    return result.recv_x, None, None, None
+  return _exchange(_scatter_to_slots(ct, send_slot, per_rank=False), st.axis_name), None, None, None
 
 
 _combine.defvjp(_combine_forward, _combine_bwd)
@@ -430,7 +462,9 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   sent nowhere gets +0.0.
 
   Differentiable in expert_out: the VJP dispatches ``ct_out[t]``, cast to expert_out's dtype, to every slot
-  token t was sent to; padding rows get 0.
+  token t was sent to; padding rows get 0. With a workspace, that dispatch is the one-sided custom call (on the
+  handle's ids) when a cotangent row fits the workspace's dispatch rows (``Workspace.fits_dispatch_rows``: e.g.
+  bf16 expert rows on a bf16 wire), else the twin's exchange.
 
   Args:
     expert_out: ``[num_ranks, num_tokens, hidden]`` floating (bf16 or float32), per shard of `handle`'s axis,
@@ -461,11 +495,11 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
     raise ValueError(f"combine: out_dtype must be a floating dtype, got {out_dtype}")
 
   st = _CombineStatic(axis_name=handle.axis_name, expert_dtype=expert_out.dtype, out_dtype=out_dtype,
-                      workspace=handle.workspace)
+                      num_experts=handle.num_experts, workspace=handle.workspace)
   if handle.workspace is not None:
     handle.workspace.check_combine(expert_out, out_dtype, num_ranks)
   with jax.named_scope("moe_combine"):
-    return _combine(st, expert_out, handle.send_slot, handle.recv_counts)
+    return _combine(st, expert_out, handle.send_slot, handle.recv_counts, handle.topk_ids)
 
 
 def _describe(a: Any) -> str:
@@ -496,7 +530,11 @@ class Workspace:
   XLA runs the independent ops of one device program concurrently and in any order, so a collective with no data
   path to or from a dispatch/combine (e.g. a psum of routing statistics) can end up waited for by one device
   while another waits in the dispatch. Tie such collectives to the dispatch inputs with
-  `jax.lax.optimization_barrier`, as `moe.moe_apply` does.
+  `jax.lax.optimization_barrier`, as `moe.moe_apply` does. Likewise, on CPU two calls of one op on a workspace
+  with no data path between them may run in different orders on different devices and pair up wrongly (calls of
+  equal shapes cannot tell each other apart): give the later one a data dependency on the earlier one's results.
+  The one-sided VJPs do (combine's VJP takes an unread operand from the forward combine's result); on GPUs each
+  device runs its calls in program order.
 
   Use as a context manager or call `close()`; closing twice is harmless, using a closed workspace raises.
   A call that times out waiting for a peer marks the workspace failed (its buffers may hold a half-finished
@@ -679,6 +717,22 @@ class Workspace:
       raise ValueError(f"combine: out_dtype must be bfloat16 or float32 on the custom-call path, got {out_dtype}")
     self.id  # pylint: disable=pointless-statement
 
+  # Whether a VJP can take the one-sided calls (else it takes the twin)
+
+  def fits_combine_rows(self, rows: Optional[jax.Array]) -> bool:
+    """Whether ``rows`` ([num_ranks, T, hidden], floating) can travel as this workspace's combine rows: T within
+    the capacity, its hidden (a multiple of 8), and a dtype that casts into combine_dtype exactly."""
+    return (rows is not None and rows.ndim == 3 and rows.shape[0] == self.num_ranks
+            and rows.shape[1] <= self.layout.capacity and rows.shape[2] == self.layout.dispatch.hidden
+            and rows.shape[2] % 8 == 0 and _casts_exactly(rows.dtype, self.combine_dtype))
+
+  def fits_dispatch_rows(self, rows: Any) -> bool:
+    """Whether ``rows`` ([T, ...], an array or its shape and dtype) fit this workspace's dispatch rows
+    (x_bytes_per_token) and capacity."""
+    row_bytes = int(np.prod(rows.shape[1:])) * jnp.dtype(rows.dtype).itemsize
+    return (len(rows.shape) >= 1 and rows.shape[0] <= self.layout.capacity
+            and row_bytes <= self.layout.dispatch.x_bytes_per_token)
+
   def attrs(self, op: str) -> dict[str, np.int64]:
     """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync and scan words, the id."""
     off = self.layout.offsets()
@@ -695,6 +749,17 @@ class Workspace:
     return {k: np.int64(v) for k, v in common.items()}
 
 
+def _casts_exactly(src: Any, dst: Any) -> bool:
+  """Whether every value of floating dtype ``src`` is one of ``dst`` (bfloat16 in float32, float8 in bfloat16)."""
+  src, dst = jnp.dtype(src), jnp.dtype(dst)
+  if src == dst:
+    return True
+  if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
+    return False
+  s, d = jnp.finfo(src), jnp.finfo(dst)
+  return s.nmant <= d.nmant and s.maxexp <= d.maxexp and s.minexp - s.nmant >= d.minexp - d.nmant
+
+
 def _resolve_a2a_impl(op: str, impl: str, workspace: Optional[Workspace]) -> bool:
   """Whether `op` takes the one-sided custom call."""
   if impl == "reference":
@@ -709,16 +774,27 @@ def _resolve_a2a_impl(op: str, impl: str, workspace: Optional[Workspace]) -> boo
   return _ffi.resolve_impl(op, impl) == "ffi"
 
 
-def _varying(outs, like: jax.Array, axis_name: Hashable):
+def _varying_axes(a: jax.Array) -> set:
+  """The shard_map axes `a` varies over (empty outside shard_map)."""
+  manual = getattr(jax.typeof(a), "manual_axis_type", None)
+  return set(manual.varying) if manual is not None else set()
+
+
+def _varying(outs, inputs: tuple[jax.Array, ...], axis_name: Hashable):
   """Custom-call results inside shard_map vary over the axes their inputs vary over, and the expert axis."""
-  axes = set(getattr(jax.typeof(like), "vma", ()) or ())
+  axes = set().union(*(_varying_axes(a) for a in inputs))
   axes.update(axis_name if isinstance(axis_name, tuple) else (axis_name,))
   axes = tuple(sorted(axes, key=str))
-  return jax.tree.map(lambda y: jax.lax.pcast(y, axes, to="varying") if set(axes) - set(
-      getattr(jax.typeof(y), "vma", ()) or ()) else y, outs)
+  return jax.tree.map(lambda y: jax.lax.pcast(y, axes, to="varying") if set(axes) - _varying_axes(y) else y, outs)
 
 
-def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
+def _nothing_before() -> jax.Array:
+  """The `after` operand of a call that need not follow another one."""
+  return jnp.zeros((1,), jnp.uint8)
+
+
+def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, after=None):
+  """The custom call; it starts after `after` (an array it does not read) is computed."""
   num_ranks, num_tokens = st.num_ranks, x.shape[0]
   top_k = topk_ids.shape[1]
   sf = jnp.zeros((num_tokens, 0), jnp.uint8) if x_sf is None else x_sf
@@ -731,20 +807,22 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
   # Not declared side-effecting: every rank runs the same compiled program, so dead-code elimination and CSE treat
   # all ranks alike and their calls stay matched; an effect would also take every jitted call off JAX's C++
   # dispatch path (measured: ~80 us of host time per call, more than the whole call takes on the GPUs).
-  outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights,
+  after = _nothing_before() if after is None else after
+  outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, after,
                        num_experts=np.int64(st.num_experts), **st.workspace.attrs("dispatch"))
-  recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, x, st.axis_name)
+  recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, (x, topk_ids), st.axis_name)
   valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
   topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), -1).astype(jnp.int32)
   result = DispatchResult(recv_x=recv_x, recv_x_sf=None if x_sf is None else recv_sf, recv_topk_ids=recv_ids,
                           recv_topk_weights=recv_w, recv_counts=recv_counts)
   handle = DispatchHandle(send_slot=send_slot, recv_counts=recv_counts, axis_name=st.axis_name, num_ranks=num_ranks,
-                          num_experts=st.num_experts, workspace=st.workspace)
-  return (result, handle), (send_slot, topk_rank)
+                          num_experts=st.num_experts, workspace=st.workspace, topk_ids=topk_ids)
+  return (result, handle), (send_slot, topk_rank, result.recv_counts)
 
 
 def _ffi_combine(st: _CombineStatic, expert_out, send_slot, recv_counts):
   out = jax.ShapeDtypeStruct((send_slot.shape[0], expert_out.shape[-1]), st.out_dtype)
-  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot,  # not side-effecting: see dispatch
+  # Not side-effecting: see _ffi_dispatch_forward.
+  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, _nothing_before(),
                     **st.workspace.attrs("combine"))
-  return _varying(y, expert_out, st.axis_name)
+  return _varying(y, (expert_out, send_slot), st.axis_name)

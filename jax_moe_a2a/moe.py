@@ -401,10 +401,15 @@ def _wire_bwd(st, res, cts):
   ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
   reference = dataclasses.replace(handle, workspace=None)
   ws = handle.workspace
-  if ws is not None and ws.combine_dtype == jnp.float32 and hidden == ws.layout.dispatch.hidden and hidden % 8 == 0:
-    # The rows fit the workspace's float32 combine rows: they go back one-sided; the weights' cotangents (top_k
-    # floats per row) on the reference path. Column for column the same sums as the single payload below.
-    rows = a2a.combine(ct_rows.astype(jnp.float32), handle, out_dtype=jnp.float32)
+  # One-sided when the rows fit the workspace's combine rows exactly, and this combine surely follows the forward
+  # one on every device: always on GPUs (each device runs its calls in program order); on CPU when the combine's
+  # VJP, which this one waits for, was one-sided and so ordered after the forward combine (a2a.combine).
+  ordered = ws is not None and (ws.platform != "cpu" or ws.fits_dispatch_rows(
+      jax.ShapeDtypeStruct(ct_rows.shape[1:], ws.combine_dtype)))
+  if ordered and ws.fits_combine_rows(ct_rows):
+    # The weights' cotangents (top_k floats per row) take the reference path. Column for column the same float32
+    # sums as the single payload below.
+    rows = a2a.combine(ct_rows.astype(ws.combine_dtype), handle, out_dtype=jnp.float32)
     return rows.astype(st.x_dtype), None, a2a.combine(ct_w, reference, out_dtype=jnp.float32)
   # One exchange for rows and weights, on the reference path.
   back = a2a.combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
@@ -422,8 +427,8 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
   The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
   `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
   received rows and weights go back by `a2a.combine` over the dispatch's slots (the rows one-sided when the
-  workspace's combine rows are float32 and as wide; else rows and weights in one reference exchange), so no
-  quantization error enters the gradient and no dispatch is recomputed.
+  workspace's combine rows hold them exactly, `a2a.Workspace.fits_combine_rows`; else rows and weights in one
+  reference exchange), so no quantization error enters the gradient and no dispatch is recomputed.
 
   Args:
     x: [num_tokens, hidden] floating, this shard's tokens (sharded over axis_name's ranks on tokens).

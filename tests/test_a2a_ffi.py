@@ -259,7 +259,12 @@ def test_many_back_to_back_calls_stay_exact():
   np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-def test_gradients_match_the_twin():
+# bf16 expert rows on a bf16 wire: combine's VJP is a one-sided dispatch of the output cotangent (on the handle's
+# ids); float32 expert rows (4 bytes a value) do not fit the bf16 wire and take the twin's exchange. Dispatch's VJP
+# returns the rows' cotangents by a one-sided combine on GPUs, by the twin's exchange on CPU; the weights' always by
+# the exchange.
+@pytest.mark.parametrize("combine_dtype,one_sided_combine_vjp", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_gradients_match_the_twin(combine_dtype, one_sided_combine_vjp):
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 6, 16, 3
   num_experts = 2 * num_ranks
@@ -270,14 +275,23 @@ def test_gradients_match_the_twin():
     def body(x, ids, weights):
       res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=AXIS, workspace=ws, impl=impl)
       y = res.recv_x.astype(jnp.float32) * jnp.sum(res.recv_topk_weights, axis=-1, keepdims=True)
-      return a2a.combine(y, handle) ** 2
+      return a2a.combine(y.astype(combine_dtype), handle).astype(jnp.float32) ** 2
     return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(x, ids, weights))
 
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k,
-                     combine_dtype=jnp.float32, timeout_s=20) as ws:
-    got = jax.jit(jax.grad(functools.partial(loss, ws, "ffi"), argnums=(0, 1)))(x, weights)
+                     combine_dtype=combine_dtype, timeout_s=20) as ws:
+    grad = jax.grad(functools.partial(loss, ws, "ffi"), argnums=(0, 1))
+    text = str(jax.make_jaxpr(grad)(x, weights))
+    one_sided_dispatch_vjp = ws.platform != "cpu"
+    calls = {"dispatch": 1 + one_sided_combine_vjp, "combine": 1 + one_sided_dispatch_vjp,
+             "all_to_all": 3 - one_sided_combine_vjp - one_sided_dispatch_vjp}
+    assert {"dispatch": text.count("jax_moe_a2a_dispatch"), "combine": text.count("jax_moe_a2a_combine"),
+            "all_to_all": text.count("all_to_all[")} == calls
+    got = jax.jit(grad)(x, weights)
+    ws.check()
   want = jax.jit(jax.grad(functools.partial(loss, None, "reference"), argnums=(0, 1)))(x, weights)
   for g, w in zip(got, want):
+    assert np.any(np.asarray(g) != 0)
     np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
@@ -410,7 +424,7 @@ def test_handler_rejects_a_workspace_too_small_for_the_offsets():
       out = (jax.ShapeDtypeStruct((num_ranks, 2, 8), x.dtype), jax.ShapeDtypeStruct((num_ranks, 2, 0), jnp.uint8),
              jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.int32), jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.float32),
              jax.ShapeDtypeStruct((num_ranks,), jnp.int32), jax.ShapeDtypeStruct((2, num_ranks), jnp.int32))
-      outs = _ffi.ffi_call("dispatch", out, x, jnp.zeros((2, 0), jnp.uint8), ids, w,
+      outs = _ffi.ffi_call("dispatch", out, x, jnp.zeros((2, 0), jnp.uint8), ids, w, jnp.zeros((1,), jnp.uint8),
                            num_experts=np.int64(num_ranks), **attrs)
       return outs[4][None]
     x, ids, w = _put(mesh, jnp.ones((2 * num_ranks, 8), jnp.bfloat16), jnp.zeros((2 * num_ranks, 1), jnp.int32),
@@ -531,3 +545,36 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
     np.testing.assert_array_equal(_bits(g_ffi), _bits(g_ref))
   else:
     np.testing.assert_allclose(np.asarray(g_ffi), np.asarray(g_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(g_ref))))
+
+
+def test_moe_training_gradients_with_a_workspace_equal_the_twin():
+  """A training step of the layer (bf16 wire and rows, a shared expert, one expert group per data index): the
+  gradients of every parameter and of x equal the twin's bit for bit on CPU. Combine's VJP is a one-sided dispatch
+  here, which must follow the forward combine on every device, and the wire's VJP a one-sided combine after it:
+  XLA:CPU would otherwise run them in any order per device, and equal calls would pair up wrongly."""
+  from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
+  n = len(jax.devices())
+  data = 2 if n >= 4 else 1
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(data, n // data), ("data", "expert"))
+  cfg = moe.MoEConfig(num_experts=16 * (n // data), top_k=6, hidden=1024, ffn=512, wire_format="bf16",
+                      num_shared_experts=1, token_axes=("data", "expert"), expert_axis="expert", dtype=jnp.bfloat16)
+  params = moe.init_params(jax.random.key(0), cfg, mesh)
+  sharding = NamedSharding(mesh, P(("data", "expert")))
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 1024), jnp.float32).astype(jnp.bfloat16), sharding)
+  ct = jax.device_put(jax.random.normal(jax.random.key(2), (64 * n, 1024), jnp.float32), sharding)
+
+  def grads(ws):  # the loss too: the forward combine stays in the program
+    loss = lambda p, x: jnp.sum(moe.moe_apply(p, x, cfg, mesh, workspace=ws)[0].astype(jnp.float32) * ct)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+  with moe.make_workspace(cfg, mesh, 64 * n) as ws:
+    got = [grads(ws) for _ in range(2)]
+    ws.check()
+  want = grads(None)
+  for g in got:
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want)):
+      if jax.devices()[0].platform == "cpu":
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+      else:
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
+                                   atol=1e-2 * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))

@@ -205,7 +205,7 @@ void ComputeSlots(const int32_t* ids, int64_t t_count, int64_t top_k, int64_t nu
 // ---------------------------------------------------------------------------------------------------------------
 
 ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf, ffi::Buffer<ffi::S32> ids,
-                           ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                           ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> recv_x,
                            ffi::Result<ffi::AnyBuffer> recv_x_sf, ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
@@ -390,7 +390,8 @@ inline void StoreFloat(uint8_t* p, int64_t bytes, float f) {
 }
 
 ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer<ffi::S32> recv_counts,
-                          ffi::Buffer<ffi::S32> send_slot, ffi::Result<ffi::AnyBuffer> out, CombineAttrs attrs) {
+                          ffi::Buffer<ffi::S32> send_slot, ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out,
+                          CombineAttrs attrs) {
   CombineGeometry g{attrs};
   CallSite site;
   if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, /*cuda=*/false, &g, &site);
@@ -472,7 +473,7 @@ PeerBases Peers(const Workspace& ws, int group) {
 }
 
 ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf,
-                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
+                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer /*after*/,
                             ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_sf,
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
                             ffi::Result<ffi::Buffer<ffi::F32>> recv_weights,
@@ -533,7 +534,7 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> send_slot,
-                           ffi::Result<ffi::AnyBuffer> out, CombineAttrs attrs) {
+                           ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, CombineAttrs attrs) {
   CombineGeometry g{attrs};
   CallSite site;
   if (auto e = PrepareCombine(device, expert_out, recv_counts, send_slot, *out, /*cuda=*/true, &g, &site);
@@ -573,7 +574,9 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
 
 }  // namespace jax_moe_a2a
 
-// The attributes of each call decode by name into DispatchAttrs / CombineAttrs.
+// The attributes of each call decode by name into DispatchAttrs / CombineAttrs. Each call's last argument, `after`,
+// is never read: it is a result of an earlier call on the workspace, so that XLA starts this call only after that
+// one on every device (calls of one op on a workspace must meet in the same order on every rank).
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_moe_a2a::DispatchAttrs, xla::ffi::StructMember<int64_t>("buffer_stride"),
     xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("num_ranks"),
@@ -598,6 +601,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
       .Arg<xla::ffi::AnyBuffer>()             /* x_sf [T, ...] */         \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* topk_ids [T, K] */       \
       .Arg<xla::ffi::Buffer<xla::ffi::F32>>() /* topk_weights [T, K] */   \
+      .Arg<xla::ffi::AnyBuffer>()             /* after (see below) */     \
       .Ret<xla::ffi::AnyBuffer>()             /* recv_x [R, T, ...] */    \
       .Ret<xla::ffi::AnyBuffer>()             /* recv_x_sf [R, T, ...] */ \
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_topk_ids */         \
@@ -612,6 +616,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
       .Arg<xla::ffi::AnyBuffer>()             /* expert_out [R, T, H] */   \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_counts [R] */        \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */       \
+      .Arg<xla::ffi::AnyBuffer>()             /* after (see below) */      \
       .Ret<xla::ffi::AnyBuffer>()             /* out [T, H] */             \
       .Attrs<jax_moe_a2a::CombineAttrs>()
 
