@@ -21,6 +21,9 @@ started earlier by the host waits for its peer, in any implementation that synch
 GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb_per_s) and over the gpu time
 (gpu_gb_per_s): for dispatch, (token, other rank) pairs the routing sends times the wire bytes per token
 (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for combine, the same pairs times 2 * hidden.
+With ``--vjp``, "combine_vjp" (ffi, twin) is combine's VJP of a bf16 cotangent: (dispatch + combine + the VJP) minus
+(dispatch + combine), each way; on the ffi path it is a one-sided dispatch of the bf16 rows when they fit the wire
+rows (bf16 wire), else the twin's exchange.
 
   python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--impls ...] [--kernels]
                             [--processes N] [--out DIR]
@@ -127,6 +130,7 @@ def main(argv=None) -> int:
   p.add_argument("--impls", nargs="+", default=["ffi", "twin", "all_to_all", "ragged"],
                  choices=["ffi", "twin", "all_to_all", "ragged"])
   p.add_argument("--kernels", action="store_true", help="also print each chain's GPU kernels (profiler trace)")
+  p.add_argument("--vjp", action="store_true", help="also time combine's VJP (combine_vjp rows)")
   p.add_argument("--processes", type=int, default=1,
                  help="one process per GPU under jax.distributed (this many, each on its own GPU)")
   p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set for the workers
@@ -193,6 +197,23 @@ def main(argv=None) -> int:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n + 1), out_specs=[spec] * n,
                                      check_vma=False))
 
+      ct_out = _global(mesh, jax.random.normal(jax.random.key(tokens + 1), (num_ranks * tokens, args.hidden),
+                                               jnp.bfloat16))
+
+      def vjp_fn(impl, n):
+        """n x (dispatch, combine of a bf16 expert output, and combine's VJP of a bf16 cotangent)."""
+        def body(eo, ct, *flat):
+          outs = []
+          for i in range(n):
+            x, x_sf, ids, w = flat[4 * i:4 * i + 4]
+            _, h = a2a.dispatch(x, ids, w, num_experts=args.experts, axis_name=AXIS, x_sf=x_sf if has_sf else None,
+                                workspace=ws if impl == "ffi" else None, impl=impl)
+            y, vjp = jax.vjp(lambda e, h=h: a2a.combine(e, h), eo)
+            outs += [y, vjp(ct)[0][None]]
+          return outs
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n + 2), out_specs=[spec] * (2 * n),
+                                     check_vma=False))
+
       def flat_inputs(sets_):
         out = []
         for s in sets_:
@@ -249,6 +270,17 @@ def main(argv=None) -> int:
         diff = lambda a, b: None if a is None or b is None else a - b
         record("combine", name, p_chain["median_s"] - t_chain["median_s"], p_single["median_s"] - t_single["median_s"],
                comb_bytes, diff(p_gpu, d_gpu), c_kernel, diff(p_steady, d_steady), c_steady_kernel)
+        if args.vjp:  # combine's VJP = (dispatch + combine + VJP) - (dispatch + combine)
+          v_fn = vjp_fn(impl, args.chain)
+          v_in = [(expert_out, ct_out, *chain_in[0])]
+          v_chain = time_per_call(v_fn, v_in, calls_per_run=args.chain, runs=args.runs)
+          v_single = time_per_call(vjp_fn(impl, 1), [(expert_out, ct_out, *s) for s in single_in], calls_per_run=1,
+                                   runs=args.runs)
+          v_gpu, _, v_steady, _ = gpu_span_us(v_fn, v_in[0], f"dispatch+combine+vjp {name}",
+                                              "CombineKernel" if name == "ffi" else None)
+          record("combine_vjp", name, v_chain["median_s"] - p_chain["median_s"],
+                 v_single["median_s"] - p_single["median_s"], comb_bytes, diff(v_gpu, p_gpu), None,
+                 diff(v_steady, p_steady))
 
       # Bare collectives carrying the same wire bytes.
       row_bytes = d.bytes_per_token
@@ -300,7 +332,7 @@ def main(argv=None) -> int:
         except Exception as e:  # pylint: disable=broad-except
           say(f"ragged_all_to_all failed: {type(e).__name__}: {str(e)[:200]}")
       ws.close()
-      del sets, lossless, expert_out
+      del sets, lossless, expert_out, ct_out
   if not lead:
     return 0
   name = f"a2a_{num_ranks}ranks" + (f"_{jax.process_count()}processes" if jax.process_count() > 1 else "")

@@ -25,7 +25,7 @@ def _import_bench(name):
 def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
   bench_a2a = _import_bench("bench_a2a")
   assert bench_a2a.main(["--tokens", "3", "--formats", "bf16", "fp8_blockwise", "--hidden", "256", "--experts", "16",
-                         "--top-k", "2", "--chain", "2", "--runs", "2", "--out", str(tmp_path)]) == 0
+                         "--top-k", "2", "--chain", "2", "--runs", "2", "--vjp", "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rec = json.loads(path.read_text())
   assert rec["processes"] == 1 and rec["hidden"] == 256
@@ -33,6 +33,7 @@ def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
   for fmt in ("bf16", "fp8_blockwise"):
     for impl in ("ffi", "twin", "all_to_all"):
       assert {(fmt, "dispatch", impl), (fmt, "combine", impl)} <= got
+    assert {(fmt, "combine_vjp", "ffi"), (fmt, "combine_vjp", "twin")} <= got
   assert all(r["chain_us"] is not None and r["gpu_us"] is None for r in rec["rows"])  # no GPU trace on CPU
   assert all(r["steady_gpu_us"] is None and r["steady_kernel_us"] is None for r in rec["rows"])
   assert path.with_suffix(".png").exists()
