@@ -1114,9 +1114,12 @@ int Blocks(int64_t work_items, int64_t per_block, int cap) {
   return static_cast<int>(b < 1 ? 1 : (b > cap ? cap : b));
 }
 
-// The receive (dispatch) or reduce (combine) role gets at most half of the multiprocessors, the send role the
-// rest: measured on two H200s at 4096 tokens, 1/3 and 1/4 to the receive side were 15-20% slower.
-constexpr int kReceiveShareDiv = 2;
+// At most this share of the multiprocessors receives (dispatch) or reduces (combine), the send role gets the rest.
+// Measured on two H200s, kernels alone: 1/3 and 1/4 to the receive side were 15-20% slower at 4096 tokens; 2/5 was
+// slower in both ops; 3/5 was slower for dispatch at 512-4096 tokens, and took 8% off combine at 2048 tokens, level
+// at 128-4096 (5/8 no better; bench/results/a2a_share_sweep_20261201-092500.json).
+int ReceiveShare(int num_sms) { return std::max(1, num_sms / 2); }
+int ReduceShare(int num_sms) { return std::max(1, num_sms * 3 / 5); }
 
 }  // namespace
 
@@ -1124,7 +1127,7 @@ constexpr int kReceiveShareDiv = 2;
 // at once; senders come first in the grid.
 cudaError_t LaunchDispatch(cudaStream_t stream, int num_sms, DispatchParams p) {
   const int64_t items = p.num_ranks * p.num_tokens * Pieces(p.x_row);
-  const int receivers = Blocks(items, kWarps, std::max(1, num_sms / kReceiveShareDiv));
+  const int receivers = Blocks(items, kWarps, ReceiveShare(num_sms));
   const int cap = std::max(1, std::min(num_sms - receivers, kScanBlocks));
   p.senders = Blocks(p.num_tokens, (p.num_tokens + cap - 1) / cap, cap);
   DispatchKernel<<<p.senders + receivers, kThreads, 0, stream>>>(p);
@@ -1133,7 +1136,7 @@ cudaError_t LaunchDispatch(cudaStream_t stream, int num_sms, DispatchParams p) {
 
 cudaError_t LaunchCombine(cudaStream_t stream, int num_sms, CombineParams p) {
   if (p.hidden % 8 != 0) return cudaErrorInvalidValue;  // the handler rejects this before launching
-  const int reducers = Blocks(p.num_tokens, kReduceTokens, std::max(1, num_sms / kReceiveShareDiv));
+  const int reducers = Blocks(p.num_tokens, kReduceTokens, ReduceShare(num_sms));
   const int64_t pieces = Pieces(p.hidden * p.in_bytes);
   p.senders = Blocks((p.num_ranks - 1) * p.num_tokens * pieces, kWarps, std::max(1, num_sms - reducers));
   const dim3 grid(p.senders + reducers);
