@@ -290,12 +290,10 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
     return _sum_from_slots(_exchange(ct, ax), send_slot).astype(dtype)
 
   ws = st.workspace
-  if (ws is not None and ws.platform != "cpu" and jnp.issubdtype(st.x_dtype, jnp.floating)
-      and ws.fits_combine_rows(ct_result.recv_x)):
-    # The rows' cotangents go back one-sided: a combine over the same slots, the same float32 sum as above. Not on
-    # CPU: there nothing orders this combine after the forward one (XLA:CPU runs independent ops in any order, per
-    # device), and two equal calls would pair up across devices in different orders; a GPU runs each device's calls
-    # in program order.
+  if (ws is not None and jnp.issubdtype(st.x_dtype, jnp.floating)
+      and ws.combines_in_backward(ct_result.recv_x, after_combine_vjp=False)):
+    # The rows' cotangents go back one-sided: a combine over the same slots, the same float32 sum as above. Whether
+    # a one-sided VJP of combine came before it is not known here: on CPU this takes the exchange.
     combine_st = _CombineStatic(axis_name=ax, expert_dtype=ws.combine_dtype, out_dtype=jnp.dtype(jnp.float32),
                                 num_experts=st.num_experts, workspace=ws)
     dx = _ffi_combine(combine_st, ct_result.recv_x.astype(ws.combine_dtype), send_slot, recv_counts)
@@ -688,20 +686,27 @@ class Workspace:
 
   # Trace-time checks of a call against the layout
 
+  def _dispatch_row_problems(self, x: Any) -> list[str]:
+    """What keeps ``x`` ([T, ...], an array or its shape and dtype) out of the dispatch regions: T over the
+    capacity, a row over x_bytes_per_token."""
+    d = self.layout.dispatch
+    x_row = _row_bytes(x)
+    problems = []
+    if x.shape[0] > self.layout.capacity:
+      problems.append(f"num_tokens {x.shape[0]} > capacity {self.layout.capacity}")
+    if x_row > d.x_bytes_per_token:
+      problems.append(f"x row of {x_row} bytes > {d.x_bytes_per_token} (workspace format {d.fmt})")
+    return problems
+
   def check_dispatch(self, x: jax.Array, x_sf: Optional[jax.Array], top_k: int, num_ranks: int) -> None:
     d = self.layout.dispatch
-    num_tokens = x.shape[0]
-    x_row = int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize
-    sf_row = 0 if x_sf is None else int(np.prod(x_sf.shape[1:])) * jnp.dtype(x_sf.dtype).itemsize
+    sf_row = 0 if x_sf is None else _row_bytes(x_sf)
     problems = []
     if num_ranks != self.num_ranks:
       problems.append(f"num_ranks {num_ranks} (workspace: {self.num_ranks})")
-    if num_tokens > self.layout.capacity:
-      problems.append(f"num_tokens {num_tokens} > capacity {self.layout.capacity}")
     if top_k != d.top_k:
       problems.append(f"top_k {top_k} (workspace: {d.top_k})")
-    if x_row > d.x_bytes_per_token:
-      problems.append(f"x row of {x_row} bytes > {d.x_bytes_per_token} (workspace format {d.fmt})")
+    problems += self._dispatch_row_problems(x)
     if sf_row > d.x_sf_bytes_per_token:
       problems.append(f"x_sf row of {sf_row} bytes > {d.x_sf_bytes_per_token} (workspace format {d.fmt})")
     if problems:
@@ -729,9 +734,15 @@ class Workspace:
   def fits_dispatch_rows(self, rows: Any) -> bool:
     """Whether ``rows`` ([T, ...], an array or its shape and dtype) fit this workspace's dispatch rows
     (x_bytes_per_token) and capacity."""
-    row_bytes = int(np.prod(rows.shape[1:])) * jnp.dtype(rows.dtype).itemsize
-    return (len(rows.shape) >= 1 and rows.shape[0] <= self.layout.capacity
-            and row_bytes <= self.layout.dispatch.x_bytes_per_token)
+    return len(rows.shape) >= 1 and not self._dispatch_row_problems(rows)
+
+  def combines_in_backward(self, rows: Optional[jax.Array], *, after_combine_vjp: bool) -> bool:
+    """Whether a combine in a backward pass (of ``rows``, [num_ranks, T, hidden]) takes the one-sided call: the
+    rows fit the combine rows exactly (`fits_combine_rows`), and the call surely follows the forward combine on
+    every device. Always so on GPUs, which run each device's calls in program order; on CPU only when it waits for
+    a one-sided VJP of combine (``after_combine_vjp``), which follows the forward combine through its `after`
+    operand: XLA:CPU runs independent ops in any order per device, and equal calls would pair up wrongly."""
+    return (self.platform != "cpu" or after_combine_vjp) and self.fits_combine_rows(rows)
 
   def attrs(self, op: str) -> dict[str, np.int64]:
     """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync and scan words, the id."""
@@ -747,6 +758,11 @@ class Workspace:
     else:
       common.update(off_combine=off["buf0.combine"], off_ready=off["buf0.combine_ready"])
     return {k: np.int64(v) for k, v in common.items()}
+
+
+def _row_bytes(a: Any) -> int:
+  """Bytes of one row of ``a`` ([T, ...], an array or its shape and dtype)."""
+  return int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize
 
 
 def _casts_exactly(src: Any, dst: Any) -> bool:
