@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
@@ -291,9 +292,8 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
 
   ws = st.workspace
   if (ws is not None and jnp.issubdtype(st.x_dtype, jnp.floating)
-      and ws.combines_in_backward(ct_result.recv_x, after_combine_vjp=False)):
-    # The rows' cotangents go back one-sided: a combine over the same slots, the same float32 sum as above. Whether
-    # a one-sided VJP of combine came before it is not known here: on CPU this takes the exchange.
+      and ws.fits_combine_rows(ct_result.recv_x)):
+    # The rows' cotangents go back one-sided: a combine over the same slots, the same float32 sum as above.
     combine_st = _CombineStatic(axis_name=ax, expert_dtype=ws.combine_dtype, out_dtype=jnp.dtype(jnp.float32),
                                 num_experts=st.num_experts, workspace=ws)
     dx = _ffi_combine(combine_st, ct_result.recv_x.astype(ws.combine_dtype), send_slot, recv_counts)
@@ -354,10 +354,10 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
     impl: "ffi" (the one-sided custom call jax_moe_a2a_dispatch; needs `workspace`), "reference" (the pure-JAX
       twin on `jax.lax.all_to_all`) or "auto" (ffi when a workspace is given and the extension has handlers for
       the backend). The handle remembers the choice for `combine`. A call of no tokens needs no exchange and
-      takes the twin. With a workspace on GPUs, the VJP returns x's row cotangents by the one-sided combine when
-      the workspace's combine rows hold them exactly (``Workspace.fits_combine_rows``: same hidden, a multiple of
-      8, a dtype that casts into combine_dtype exactly, e.g. bf16 rows into float32 ones), else (and on CPU) by
-      the twin's exchange; the cotangents of x_sf and of the weights always take the twin's.
+      takes the twin. With a workspace, the VJP returns x's row cotangents by the one-sided combine when the
+      workspace's combine rows hold them exactly (``Workspace.fits_combine_rows``: same hidden, a multiple of 8, a
+      dtype that casts into combine_dtype exactly, e.g. bf16 rows into float32 ones), else by the twin's exchange;
+      the cotangents of x_sf and of the weights always take the twin's.
 
   Returns:
     ``(result, handle)``: the `DispatchResult` this rank received (``[num_ranks, num_tokens, ...]`` per shard)
@@ -417,7 +417,8 @@ class _CombineStatic:
 def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts, topk_ids):
   if st.workspace is not None:
     out = _ffi_combine(st, expert_out, send_slot, recv_counts)
-    # One element of the result: the one-sided VJP waits for it, so it follows this call on every device.
+    # One element of the result: the one-sided VJP waits for it, so it starts after this call on every device
+    # rather than as soon as its cotangent is known (see _nothing_before's users and the binding's `after`).
     return out, (send_slot, topk_ids, out.reshape(-1)[:1])
   back = _exchange(expert_out, st.axis_name)
   return _sum_from_slots(back, send_slot).astype(st.out_dtype), (send_slot, topk_ids, None)
@@ -434,8 +435,7 @@ def _combine_bwd(st: _CombineStatic, res, ct_out):
   ws = st.workspace
   if ws is not None and topk_ids is not None and ws.fits_dispatch_rows(ct):
     # A dispatch of the cotangent rows, one-sided: the kernels number the slots again from the same ids, so each
-    # row lands where the exchange below puts it, and padding rows are zero. It follows the forward combine (and so
-    # the dispatch) on every device: nothing else orders them.
+    # row lands where the exchange below puts it, and padding rows are zero.
     dispatch_st = _DispatchStatic(axis_name=st.axis_name, num_ranks=send_slot.shape[1], num_experts=st.num_experts,
                                   x_dtype=ct.dtype, x_sf_dtype=None, workspace=ws)
     (result, _), _ = _ffi_dispatch_forward(dispatch_st, ct, None, topk_ids, jnp.zeros_like(topk_ids, jnp.float32),
@@ -515,24 +515,23 @@ class Workspace:
   """The one-sided communication memory of every device on an expert axis of a mesh.
 
   Create it once, outside `jit`, for the largest call it will serve; pass it to `dispatch` (and, through the
-  handle, to `combine`). Each device gets one block laid out by `layout.workspace_layout`: receive regions of
-  ``[num_ranks, capacity, ...]`` for every payload, the combine region, flags and epochs, twice (calls
-  alternate buffers). On GPUs the blocks are device memory with peer access enabled between the GPUs of an
+  handle, to `combine`). On GPUs each device gets one block of device memory laid out by
+  `layout.workspace_layout`: receive regions of ``[num_ranks, capacity, ...]`` for every payload, the combine
+  region, flags and epochs, twice (calls alternate buffers), with peer access enabled between the GPUs of an
   expert group when one process drives them; with one process per GPU (`jax.distributed`) each process allocates
   its own blocks and maps its peers' through CUDA IPC handles exchanged in JAX's distributed key-value store
-  (every process must then create its workspaces in the same order). On CPU they are host memory and the
-  simulated devices of a group
-  meet at a process-wide rendezvous. Nothing is allocated, and no peer access enabled, inside a handler.
+  (every process must then create its workspaces in the same order). Each GPU runs its calls in program order,
+  so the calls of a group pair up in that order. On CPU the simulated devices of a group meet at a process-wide
+  meeting point, once per call: every call carries a trace-time call-site id, so calls pair up by site (and by
+  occurrence, in loops) whatever order XLA:CPU runs a device's independent ops in, and each rank reads what it
+  receives straight from its peers' inputs there. Nothing is allocated, and no peer access enabled, inside a
+  handler.
 
   Order other collectives by data. The one-sided calls of the devices of a group wait for each other; on CPU,
   XLA runs the independent ops of one device program concurrently and in any order, so a collective with no data
   path to or from a dispatch/combine (e.g. a psum of routing statistics) can end up waited for by one device
   while another waits in the dispatch. Tie such collectives to the dispatch inputs with
-  `jax.lax.optimization_barrier`, as `moe.moe_apply` does. Likewise, on CPU two calls of one op on a workspace
-  with no data path between them may run in different orders on different devices and pair up wrongly (calls of
-  equal shapes cannot tell each other apart): give the later one a data dependency on the earlier one's results.
-  The one-sided VJPs do (combine's VJP takes an unread operand from the forward combine's result); on GPUs each
-  device runs its calls in program order.
+  `jax.lax.optimization_barrier`, as `moe.moe_apply` does.
 
   Use as a context manager or call `close()`; closing twice is harmless, using a closed workspace raises.
   A call that times out waiting for a peer marks the workspace failed (its buffers may hold a half-finished
@@ -736,14 +735,6 @@ class Workspace:
     (x_bytes_per_token) and capacity."""
     return len(rows.shape) >= 1 and not self._dispatch_row_problems(rows)
 
-  def combines_in_backward(self, rows: Optional[jax.Array], *, after_combine_vjp: bool) -> bool:
-    """Whether a combine in a backward pass (of ``rows``, [num_ranks, T, hidden]) takes the one-sided call: the
-    rows fit the combine rows exactly (`fits_combine_rows`), and the call surely follows the forward combine on
-    every device. Always so on GPUs, which run each device's calls in program order; on CPU only when it waits for
-    a one-sided VJP of combine (``after_combine_vjp``), which follows the forward combine through its `after`
-    operand: XLA:CPU runs independent ops in any order per device, and equal calls would pair up wrongly."""
-    return (self.platform != "cpu" or after_combine_vjp) and self.fits_combine_rows(rows)
-
   def attrs(self, op: str) -> dict[str, np.int64]:
     """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync and scan words, the id."""
     off = self.layout.offsets()
@@ -804,6 +795,15 @@ def _varying(outs, inputs: tuple[jax.Array, ...], axis_name: Hashable):
   return jax.tree.map(lambda y: jax.lax.pcast(y, axes, to="varying") if set(axes) - _varying_axes(y) else y, outs)
 
 
+_sites = itertools.count(1)
+
+
+def _site() -> np.int64:
+  """A new call-site id (the `site` attribute): every device's program holds the same one, so the simulated CPU
+  devices meet per call, whatever order XLA:CPU runs a device's independent calls in."""
+  return np.int64(next(_sites))
+
+
 def _nothing_before() -> jax.Array:
   """The `after` operand of a call that need not follow another one."""
   return jnp.zeros((1,), jnp.uint8)
@@ -825,7 +825,7 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, 
   # dispatch path (measured: ~80 us of host time per call, more than the whole call takes on the GPUs).
   after = _nothing_before() if after is None else after
   outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, after,
-                       num_experts=np.int64(st.num_experts), **st.workspace.attrs("dispatch"))
+                       num_experts=np.int64(st.num_experts), site=_site(), **st.workspace.attrs("dispatch"))
   recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, (x, topk_ids), st.axis_name)
   valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
   topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), -1).astype(jnp.int32)
@@ -839,6 +839,6 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, 
 def _ffi_combine(st: _CombineStatic, expert_out, send_slot, recv_counts):
   out = jax.ShapeDtypeStruct((send_slot.shape[0], expert_out.shape[-1]), st.out_dtype)
   # Not side-effecting: see _ffi_dispatch_forward.
-  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, _nothing_before(),
+  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, _nothing_before(), site=_site(),
                     **st.workspace.attrs("combine"))
   return _varying(y, (expert_out, send_slot), st.axis_name)

@@ -401,9 +401,7 @@ def _wire_bwd(st, res, cts):
   ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
   reference = dataclasses.replace(handle, workspace=None)
   ws = handle.workspace
-  # The layer's combine VJP, which ct_rows waits for, is one-sided when its rows (the combine dtype) fit the wire.
-  if ws is not None and ws.combines_in_backward(ct_rows, after_combine_vjp=ws.fits_dispatch_rows(
-      jax.ShapeDtypeStruct(ct_rows.shape[1:], ws.combine_dtype))):
+  if ws is not None and ws.fits_combine_rows(ct_rows):
     # One-sided rows; the weights' cotangents (top_k floats per row) take the reference path. Column for column
     # the same float32 sums as the single payload below.
     rows = a2a.combine(ct_rows.astype(ws.combine_dtype), handle, out_dtype=jnp.float32)

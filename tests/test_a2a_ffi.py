@@ -1,6 +1,6 @@
 """The one-sided dispatch/combine custom calls against the pure-JAX twin: bit for bit, faults, life cycle.
 
-On CPU the simulated devices meet at a process-wide rendezvous; on a GPU machine (JAX_MOE_A2A_TEST_GPU=1) the
+On CPU the simulated devices meet at a process-wide meeting point per call; on a GPU machine (JAX_MOE_A2A_TEST_GPU=1) the
 same tests run over NVLink peer memory on every visible GPU.
 """
 
@@ -259,10 +259,47 @@ def test_many_back_to_back_calls_stay_exact():
   np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+def test_independent_calls_of_equal_shapes_pair_up_by_call():
+  """Four dispatches and four combines of equal shapes on one workspace, with no data path between them, their
+  inputs delayed on each rank in another order (a loop of matmuls on call (i + rank) % 4's): each call meets its own
+  counterparts on every rank, whatever order a device runs them in, and equals the twin."""
+  mesh = _mesh()
+  num_ranks, num_tokens, hidden, top_k, calls = mesh.shape[AXIS], 5, 16, 2, 4
+  num_experts = 2 * num_ranks
+  inputs = [_inputs(mesh, 40 + i, num_tokens, hidden, top_k, num_experts, "random") for i in range(calls)]
+  spec = P(AXIS)
+
+  def delayed(x, steps):  # x, after `steps` rounds of work whose result is discarded (an exact 0 added)
+    m = jnp.full((128, 128), 1e-3, jnp.float32)
+    work = jax.lax.fori_loop(0, steps, lambda _, a: jnp.tanh(a @ m), m)
+    return x + (jnp.sum(work) * 0.0).astype(x.dtype)
+
+  def run(ws, impl):
+    def body(*args):
+      outs = []
+      me = jax.lax.axis_index(AXIS)
+      for i, (x, ids, weights) in enumerate(zip(args[0::3], args[1::3], args[2::3])):
+        x = delayed(x, 20 * ((i + me) % calls))
+        res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=AXIS, workspace=ws, impl=impl)
+        outs += [res.recv_x[None], a2a.combine(res.recv_x, handle, out_dtype=jnp.float32)]
+      return tuple(outs)
+    args = [a for x, _, ids, weights in inputs for a in (x, ids, weights)]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec))(*args)
+
+  want = run(None, "reference")
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k,
+                     combine_dtype=jnp.bfloat16, timeout_s=20) as ws:
+    for _ in range(3):
+      got = run(ws, "ffi")
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+    ws.check()
+
+
 # bf16 expert rows on a bf16 wire: combine's VJP is a one-sided dispatch of the output cotangent (on the handle's
 # ids); float32 expert rows (4 bytes a value) do not fit the bf16 wire and take the twin's exchange. Dispatch's VJP
-# returns the rows' cotangents by a one-sided combine on GPUs, by the twin's exchange on CPU; the weights' always by
-# the exchange.
+# returns the rows' cotangents by a one-sided combine (bf16 rows cast exactly into either combine dtype); the
+# weights' always by the exchange.
 @pytest.mark.parametrize("combine_dtype,one_sided_combine_vjp", [(jnp.bfloat16, True), (jnp.float32, False)])
 def test_gradients_match_the_twin(combine_dtype, one_sided_combine_vjp):
   mesh = _mesh()
@@ -282,9 +319,7 @@ def test_gradients_match_the_twin(combine_dtype, one_sided_combine_vjp):
                      combine_dtype=combine_dtype, timeout_s=20) as ws:
     grad = jax.grad(functools.partial(loss, ws, "ffi"), argnums=(0, 1))
     text = str(jax.make_jaxpr(grad)(x, weights))
-    one_sided_dispatch_vjp = ws.platform != "cpu"
-    calls = {"dispatch": 1 + one_sided_combine_vjp, "combine": 1 + one_sided_dispatch_vjp,
-             "all_to_all": 3 - one_sided_combine_vjp - one_sided_dispatch_vjp}
+    calls = {"dispatch": 1 + one_sided_combine_vjp, "combine": 2, "all_to_all": 2 - one_sided_combine_vjp}
     assert {"dispatch": text.count("jax_moe_a2a_dispatch"), "combine": text.count("jax_moe_a2a_combine"),
             "all_to_all": text.count("all_to_all[")} == calls
     got = jax.jit(grad)(x, weights)
@@ -349,14 +384,15 @@ def test_a_missing_peer_is_an_error_naming_it_and_the_process_stays_usable():
 
 
 def test_a_peer_calling_with_other_shapes_is_an_error_naming_it():
-  """One rank dispatches one token fewer than the others (a cond on the rank): no rank trusts the exchange; the call
-  (CPU) or the workspace check (GPU) names the rank that called differently."""
+  """One rank dispatches one token fewer than the others (a cond on the rank): no rank trusts the exchange. On GPUs
+  the calls meet and the workspace check names the rank that called differently; on CPU, where the ranks meet per
+  call site, the others wait for it in vain, and the call names it and the call it waited at instead."""
   mesh = _mesh()
   _need_two_ranks(mesh)
   num_ranks = mesh.shape[AXIS]
   odd = num_ranks - 1
   ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=8, top_k=1, combine_dtype=jnp.float32,
-                     timeout_s=5)
+                     timeout_s=1 if mesh.devices.flat[0].platform == "cpu" else 5)
 
   def body(x, ids, w):
     def call(n):
@@ -371,10 +407,14 @@ def test_a_peer_calling_with_other_shapes_is_an_error_naming_it():
   try:
     jax.block_until_ready(f(x, ids, w))
   except Exception as e:  # CPU: the call itself fails
-    others = ", ".join(str(r) for r in range(odd))
-    assert f"ranks [{others}] {{op=dispatch T=2 " in str(e) and f"ranks [{odd}] {{op=dispatch T=1 " in str(e), str(e)
-  with pytest.raises(RuntimeError, match="called with different arguments"):
-    ws.check()
+    assert (f"for rank(s) [{odd}] of its expert group, which did not arrive; rank {odd} waited at another call "
+            "instead: {op=dispatch T=1 ") in str(e), str(e)
+  if ws.platform == "cpu":
+    with pytest.raises(RuntimeError, match=rf"\[{odd}\].*did not arrive; rank {odd} waited at another call"):
+      ws.check()
+  else:
+    with pytest.raises(RuntimeError, match="called with different arguments"):
+      ws.check()
   ws.close()
 
 
@@ -428,7 +468,7 @@ def test_handler_rejects_a_workspace_too_small_for_the_offsets():
              jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.int32), jax.ShapeDtypeStruct((num_ranks, 2, 1), jnp.float32),
              jax.ShapeDtypeStruct((num_ranks,), jnp.int32), jax.ShapeDtypeStruct((2, num_ranks), jnp.int32))
       outs = _ffi.ffi_call("dispatch", out, x, jnp.zeros((2, 0), jnp.uint8), ids, w, jnp.zeros((1,), jnp.uint8),
-                           num_experts=np.int64(num_ranks), **attrs)
+                           num_experts=np.int64(num_ranks), site=np.int64(0), **attrs)
       return outs[4][None]
     x, ids, w = _put(mesh, jnp.ones((2 * num_ranks, 8), jnp.bfloat16), jnp.zeros((2 * num_ranks, 1), jnp.int32),
                      jnp.ones((2 * num_ranks, 1), jnp.float32))
@@ -553,8 +593,9 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
 def test_moe_training_gradients_with_a_workspace_equal_the_twin():
   """A training step of the layer (bf16 wire and rows, a shared expert, one expert group per data index): the
   gradients of every parameter and of x equal the twin's bit for bit on CPU. Combine's VJP is a one-sided dispatch
-  here, which must follow the forward combine on every device, and the wire's VJP a one-sided combine after it:
-  XLA:CPU would otherwise run them in any order per device, and equal calls would pair up wrongly."""
+  here, and the wire's VJP a one-sided combine after it. Its cotangent is known from the start, so without its
+  `after` operand (the forward combine's result) XLA:CPU could start it on some devices while others wait in the
+  data axis's all-reduce: every device would wait for another."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
   data = 2 if n >= 4 else 1

@@ -4,14 +4,16 @@
 //   - Per rank `me` of an expert group of R ranks, T tokens, top_k experts, L = num_experts / R local experts:
 //     a token goes to rank r once if any of its valid experts (0 <= id < num_experts) lives there; its slot on
 //     r is the number of earlier tokens bound for r (exclusive prefix count), never an atomic counter.
-//   - One-sided: the source writes every payload straight into the destination's receive region, at
+//   - GPUs, one-sided: the source writes every payload straight into the destination's receive region, at
 //     [source rank, slot], in the buffer (call count & 1) of that op. Workspace rows are indexed with the
-//     workspace's capacity C >= T.
-//   - Double buffering: a source writes buffer b again only two calls later, which it reaches only after the
-//     rendezvous (CPU) or flag wait (GPU) of the call in between, and no rank passes that before it has finished
-//     reading buffer b. So one meeting per call suffices, for back-to-back calls and for many layers.
-//   - Receive side: rows j < count[s] are copied from the workspace to the outputs; padding rows get zero bits,
-//     ids -1 and weights 0.0, as the twin defines.
+//     workspace's capacity C >= T. A source writes buffer b again only two calls later, which it reaches only
+//     after the flag wait of the call in between, and no rank passes that before it has finished reading buffer b
+//     (a2a_kernels.cu has the protocol).
+//   - CPU: the simulated devices of a group meet once per call (Meetings, keyed by the call's `site` attribute and
+//     its occurrence) and each rank reads what it receives straight from its peers' inputs; nobody leaves before
+//     every rank has read. The GPUs ignore `site`: each runs its calls in program order.
+//   - Receive side: the rows of slots j < count[s] are source s's tokens; padding rows get zero bits, ids -1 and
+//     weights 0.0, as the twin defines.
 //   - Combine sums, per token, float32(row from rank r) over r = 0, 1, ..., R-1 in that order, starting at -0.0
 //     (+0.0 for a token sent nowhere).
 #include <algorithm>
@@ -41,6 +43,7 @@ constexpr char kCombineOp[] = "jax_moe_a2a_combine";
 // decoding's order. Offsets are workspace byte offsets of buffer 0 (buffer b adds b * buffer_stride).
 struct DispatchAttrs {
   int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
+  int64_t site;  // the call site: a trace-time id, the same in every device's program (CPU meetings)
   int64_t num_experts;
   int64_t off_x, off_x_sf, off_ids, off_weights, off_counts, off_ready;
   int64_t off_ll;    // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, ll_row_bytes per row
@@ -50,6 +53,7 @@ struct DispatchAttrs {
 
 struct CombineAttrs {
   int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
+  int64_t site;
   int64_t off_combine, off_ready;
 };
 
@@ -204,6 +208,16 @@ void ComputeSlots(const int32_t* ids, int64_t t_count, int64_t top_k, int64_t nu
 // CPU
 // ---------------------------------------------------------------------------------------------------------------
 
+// What a rank brings to a dispatch meeting: its inputs and the slots it numbered (send_slot, counts per rank).
+struct DispatchContribution {
+  const uint8_t* x;
+  const uint8_t* x_sf;
+  const int32_t* ids;
+  const float* weights;
+  const int32_t* slot;
+  const int32_t* counts;
+};
+
 ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf, ffi::Buffer<ffi::S32> ids,
                            ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> recv_x,
                            ffi::Result<ffi::AnyBuffer> recv_x_sf, ffi::Result<ffi::Buffer<ffi::S32>> recv_ids,
@@ -218,78 +232,54 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
     return e;
   Workspace& ws = *site.ws;
   const int me = site.rank;
-  const int64_t t_count = g.num_tokens, top_k = g.top_k, local = g.num_local_experts, cap = g.capacity;
-  const int64_t num_ranks = g.num_ranks, num_experts = g.num_experts;
-  auto& calls = ws.calls[device][static_cast<int>(A2aOp::kDispatch)];
-  const int64_t buf = static_cast<int64_t>(calls & 1) * g.buffer_stride;
+  const int64_t t_count = g.num_tokens, top_k = g.top_k, local = g.num_local_experts, num_ranks = g.num_ranks;
 
-  int32_t* slot = send_slot->typed_data();
   std::vector<int32_t> counts;
-  ComputeSlots(ids.typed_data(), t_count, top_k, num_ranks, local, slot, &counts);
-
-  // Put: every routed token's payloads into its destinations' receive regions.
-  const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
-  const auto* sfp = static_cast<const uint8_t*>(x_sf.untyped_data());
-  const int32_t* idp = ids.typed_data();
-  const float* wp = weights.typed_data();
-  for (int64_t t = 0; t < t_count; ++t) {
-    for (int64_t r = 0; r < num_ranks; ++r) {
-      const int32_t j = slot[t * num_ranks + r];
-      if (j < 0) continue;
-      uint8_t* dst = ws.base[site.group][r] + buf;
-      const int64_t row = me * cap + j;
-      std::memcpy(dst + g.off_x + row * g.x_row, xp + t * g.x_row, g.x_row);
-      std::memcpy(dst + g.off_x_sf + row * g.sf_row, sfp + t * g.sf_row, g.sf_row);
-      auto* dst_ids = reinterpret_cast<int32_t*>(dst + g.off_ids) + row * top_k;
-      auto* dst_w = reinterpret_cast<float*>(dst + g.off_weights) + row * top_k;
-      for (int64_t k = 0; k < top_k; ++k) {
-        const int64_t id = idp[t * top_k + k];
-        const bool here = id >= 0 && id < num_experts && id / local == r;
-        dst_ids[k] = here ? static_cast<int32_t>(id - r * local) : -1;
-        dst_w[k] = here ? wp[t * top_k + k] : 0.0f;
-      }
-    }
-  }
-  // Count words: the count alone (the rendezvous below orders memory; the GPU kernels add their epoch above it).
-  for (int64_t r = 0; r < num_ranks; ++r) {
-    reinterpret_cast<uint64_t*>(ws.base[site.group][r] + buf + g.off_counts)[me] = static_cast<uint32_t>(counts[r]);
-  }
-
-  // Meet: every rank of the group has put (the mutex orders the memory).
-  if (auto e = ws.rendezvous[site.group]->Arrive(me, DispatchSignature(g), ws.timeout, kDispatchOp);
+  ComputeSlots(ids.typed_data(), t_count, top_k, num_ranks, local, send_slot->typed_data(), &counts);
+  const DispatchContribution mine{static_cast<const uint8_t*>(x.untyped_data()),
+                                  static_cast<const uint8_t*>(x_sf.untyped_data()), ids.typed_data(),
+                                  weights.typed_data(), send_slot->typed_data(), counts.data()};
+  Meetings& meetings = *ws.meetings[site.group];
+  Meetings::Ticket ticket;
+  std::vector<const void*> all;
+  if (auto e = meetings.Gather(g.site, me, DispatchSignature(g), &mine, ws.timeout, kDispatchOp, &ticket, &all);
       e.failure()) {
     ws.Fail(e.message());
     return e;
   }
 
-  // Receive: copy the filled slots out, pad the rest.
-  const uint8_t* mine = ws.base[site.group][me] + buf;
-  const auto* got = reinterpret_cast<const uint64_t*>(mine + g.off_counts);
+  // Receive from each source s (equal signatures: its T and rows are ours): its tokens bound here, at their slots;
+  // the slots past its count are padding.
   auto* out_x = static_cast<uint8_t*>(recv_x->untyped_data());
   auto* out_sf = static_cast<uint8_t*>(recv_x_sf->untyped_data());
   int32_t* out_ids = recv_ids->typed_data();
   float* out_w = recv_weights->typed_data();
   for (int64_t s = 0; s < num_ranks; ++s) {
-    const int64_t n = static_cast<int32_t>(got[s] & 0xFFFFFFFFu);
-    recv_counts->typed_data()[s] = static_cast<int32_t>(n);
-    for (int64_t j = 0; j < t_count; ++j) {
-      const int64_t o = s * t_count + j, w = s * cap + j;
-      if (j < n) {
-        std::memcpy(out_x + o * g.x_row, mine + g.off_x + w * g.x_row, g.x_row);
-        std::memcpy(out_sf + o * g.sf_row, mine + g.off_x_sf + w * g.sf_row, g.sf_row);
-        std::memcpy(out_ids + o * top_k, mine + g.off_ids + w * top_k * 4, top_k * 4);
-        std::memcpy(out_w + o * top_k, mine + g.off_weights + w * top_k * 4, top_k * 4);
-      } else {
-        std::memset(out_x + o * g.x_row, 0, g.x_row);
-        std::memset(out_sf + o * g.sf_row, 0, g.sf_row);
-        for (int64_t k = 0; k < top_k; ++k) {
-          out_ids[o * top_k + k] = -1;
-          out_w[o * top_k + k] = 0.0f;
-        }
+    const auto& from = *static_cast<const DispatchContribution*>(all[s]);
+    const int32_t n = from.counts[me];
+    recv_counts->typed_data()[s] = n;
+    for (int64_t j = n; j < t_count; ++j) {
+      const int64_t o = s * t_count + j;
+      std::memset(out_x + o * g.x_row, 0, g.x_row);
+      std::memset(out_sf + o * g.sf_row, 0, g.sf_row);
+      std::fill(out_ids + o * top_k, out_ids + (o + 1) * top_k, -1);
+      std::fill(out_w + o * top_k, out_w + (o + 1) * top_k, 0.0f);
+    }
+    for (int64_t t = 0; t < t_count; ++t) {
+      const int32_t j = from.slot[t * num_ranks + me];
+      if (j < 0) continue;
+      const int64_t o = s * t_count + j;
+      std::memcpy(out_x + o * g.x_row, from.x + t * g.x_row, g.x_row);
+      std::memcpy(out_sf + o * g.sf_row, from.x_sf + t * g.sf_row, g.sf_row);
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t id = from.ids[t * top_k + k];
+        const bool here = id >= 0 && id < g.num_experts && id / local == me;
+        out_ids[o * top_k + k] = here ? static_cast<int32_t>(id - me * local) : -1;
+        out_w[o * top_k + k] = here ? from.weights[t * top_k + k] : 0.0f;
       }
     }
   }
-  ++calls;
+  meetings.Leave(ticket);
   return ffi::Error::Success();
 }
 
@@ -399,24 +389,19 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
     return e;
   Workspace& ws = *site.ws;
   const int me = site.rank;
-  auto& calls = ws.calls[device][static_cast<int>(A2aOp::kCombine)];
-  const int64_t buf = static_cast<int64_t>(calls & 1) * g.buffer_stride;
-  const int64_t row_bytes = g.hidden * g.in_bytes, t_count = g.num_tokens, cap = g.capacity;
-  const int64_t num_ranks = g.num_ranks;
+  const int64_t row_bytes = g.hidden * g.in_bytes, t_count = g.num_tokens, num_ranks = g.num_ranks;
 
-  // Put: my rows for source s go back into s's combine region, at [me, slot].
-  const auto* src = static_cast<const uint8_t*>(expert_out.untyped_data());
-  for (int64_t s = 0; s < num_ranks; ++s) {
-    const int64_t n = std::min<int64_t>(recv_counts.typed_data()[s], t_count);
-    uint8_t* dst = ws.base[site.group][s] + buf + g.off_combine + me * cap * row_bytes;
-    std::memcpy(dst, src + s * t_count * row_bytes, std::max<int64_t>(n, 0) * row_bytes);
-  }
-  if (auto e = ws.rendezvous[site.group]->Arrive(me, CombineSignature(g), ws.timeout, kCombineOp); e.failure()) {
+  // A rank's contribution is its expert_out: [source, slot] rows, of which ours are [me, ...].
+  Meetings& meetings = *ws.meetings[site.group];
+  Meetings::Ticket ticket;
+  std::vector<const void*> all;
+  if (auto e = meetings.Gather(g.site, me, CombineSignature(g), expert_out.untyped_data(), ws.timeout, kCombineOp,
+                               &ticket, &all);
+      e.failure()) {
     ws.Fail(e.message());
     return e;
   }
   // Reduce: float32, ranks in ascending order.
-  const uint8_t* mine = ws.base[site.group][me] + buf + g.off_combine;
   const int32_t* slot = send_slot.typed_data();
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
   std::vector<float> acc(g.hidden);
@@ -426,13 +411,13 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
     std::fill(acc.begin(), acc.end(), sent ? -0.0f : 0.0f);
     for (int64_t r = 0; r < num_ranks; ++r) {
       const int32_t j = slot[t * num_ranks + r];
-      if (j < 0) continue;
-      const uint8_t* row = mine + (r * cap + j) * row_bytes;
+      if (j < 0 || j >= t_count) continue;  // slots of a dispatch are < T
+      const uint8_t* row = static_cast<const uint8_t*>(all[r]) + (me * t_count + j) * row_bytes;
       for (int64_t h = 0; h < g.hidden; ++h) acc[h] += LoadFloat(row + h * g.in_bytes, g.in_bytes);
     }
     for (int64_t h = 0; h < g.hidden; ++h) StoreFloat(dst + (t * g.hidden + h) * g.out_bytes, g.out_bytes, acc[h]);
   }
-  ++calls;
+  meetings.Leave(ticket);
   return ffi::Error::Success();
 }
 
@@ -576,12 +561,14 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
 
 // The attributes of each call decode by name into DispatchAttrs / CombineAttrs. Each call's last argument, `after`,
 // is never read: it is a result of an earlier call on the workspace, so that XLA starts this call only after that
-// one on every device (calls of one op on a workspace must meet in the same order on every rank).
+// one on every device. On CPU this keeps a call that could start early (a VJP's, on a cotangent known from the
+// start) from waiting at its meeting on some devices while others wait in an XLA collective.
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_moe_a2a::DispatchAttrs, xla::ffi::StructMember<int64_t>("buffer_stride"),
     xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("num_ranks"),
     xla::ffi::StructMember<int64_t>("off_flags"), xla::ffi::StructMember<int64_t>("off_sync"),
-    xla::ffi::StructMember<int64_t>("workspace"), xla::ffi::StructMember<int64_t>("num_experts"),
+    xla::ffi::StructMember<int64_t>("workspace"), xla::ffi::StructMember<int64_t>("site"),
+    xla::ffi::StructMember<int64_t>("num_experts"),
     xla::ffi::StructMember<int64_t>("off_x"), xla::ffi::StructMember<int64_t>("off_x_sf"),
     xla::ffi::StructMember<int64_t>("off_ids"), xla::ffi::StructMember<int64_t>("off_weights"),
     xla::ffi::StructMember<int64_t>("off_counts"), xla::ffi::StructMember<int64_t>("off_ready"),
@@ -591,7 +578,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_moe_a2a::CombineAttrs, xla::ffi::StructMember<int64_t>("buffer_stride"),
     xla::ffi::StructMember<int64_t>("capacity"), xla::ffi::StructMember<int64_t>("num_ranks"),
     xla::ffi::StructMember<int64_t>("off_flags"), xla::ffi::StructMember<int64_t>("off_sync"),
-    xla::ffi::StructMember<int64_t>("workspace"), xla::ffi::StructMember<int64_t>("off_combine"),
+    xla::ffi::StructMember<int64_t>("workspace"), xla::ffi::StructMember<int64_t>("site"),
+    xla::ffi::StructMember<int64_t>("off_combine"),
     xla::ffi::StructMember<int64_t>("off_ready"));
 
 #define JAX_MOE_A2A_DISPATCH_BINDING(platform_ctx)                        \
@@ -601,7 +589,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
       .Arg<xla::ffi::AnyBuffer>()             /* x_sf [T, ...] */         \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* topk_ids [T, K] */       \
       .Arg<xla::ffi::Buffer<xla::ffi::F32>>() /* topk_weights [T, K] */   \
-      .Arg<xla::ffi::AnyBuffer>()             /* after (see below) */     \
+      .Arg<xla::ffi::AnyBuffer>()             /* after (see above) */     \
       .Ret<xla::ffi::AnyBuffer>()             /* recv_x [R, T, ...] */    \
       .Ret<xla::ffi::AnyBuffer>()             /* recv_x_sf [R, T, ...] */ \
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_topk_ids */         \
@@ -616,7 +604,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
       .Arg<xla::ffi::AnyBuffer>()             /* expert_out [R, T, H] */   \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* recv_counts [R] */        \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* send_slot [T, R] */       \
-      .Arg<xla::ffi::AnyBuffer>()             /* after (see below) */      \
+      .Arg<xla::ffi::AnyBuffer>()             /* after (see above) */      \
       .Ret<xla::ffi::AnyBuffer>()             /* out [T, H] */             \
       .Attrs<jax_moe_a2a::CombineAttrs>()
 

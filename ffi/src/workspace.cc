@@ -1,4 +1,4 @@
-// workspace.cc -- workspace registry, CPU rendezvous, and creation/destruction of workspaces (CPU and CUDA).
+// workspace.cc -- workspace registry, CPU meetings, and creation/destruction of workspaces (CPU and CUDA).
 #include "workspace.h"
 
 #include "a2a_protocol.h"
@@ -14,22 +14,30 @@
 namespace jax_moe_a2a {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Rendezvous
+// Meetings (CPU)
 // ---------------------------------------------------------------------------------------------------------------
 
-ffi::Error Rendezvous::Arrive(int rank, const std::string& signature, std::chrono::nanoseconds timeout,
-                              const std::string& op_name) {
+ffi::Error Meetings::Gather(int64_t site, int rank, const std::string& signature, const void* contribution,
+                            std::chrono::nanoseconds timeout, const std::string& op_name, Ticket* ticket,
+                            std::vector<const void*>* all) {
   std::unique_lock<std::mutex> lock(mu_);
-  const uint64_t generation = generation_;
-  if (arrived_[rank]) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      op_name + ": rank " + std::to_string(rank) + " arrived twice at one meeting point");
+  const Key key{site, next_[{site, rank}]++};
+  Meeting& m = meetings_[key];  // std::map: the reference stays valid while other meetings come and go
+  if (m.came.empty()) {
+    m.came.assign(num_ranks_, false);
+    m.signatures.resize(num_ranks_);
+    m.contributions.resize(num_ranks_);
   }
-  arrived_[rank] = true;
-  signatures_[rank] = signature;
-  if (++count_ == num_ranks_) {
-    last_mismatch_.clear();
-    if (std::any_of(signatures_.begin(), signatures_.end(), [&](const std::string& s) { return s != signature; })) {
+  if (m.expired) {  // came too late: the others stopped waiting (and the workspace is failed)
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                      op_name + ": rank " + std::to_string(rank) + " came to a call its expert group stopped waiting for");
+  }
+  m.came[rank] = true;
+  m.signatures[rank] = signature;
+  m.contributions[rank] = contribution;
+  ++m.inside;
+  if (++m.count == num_ranks_) {
+    if (std::any_of(m.signatures.begin(), m.signatures.end(), [&](const std::string& s) { return s != signature; })) {
       // "ranks [0, 1] {sig A}; ranks [2] {sig B}", signatures in the order of their lowest rank.
       std::ostringstream os;
       os << op_name << ": ranks of one expert group called with different arguments:";
@@ -38,33 +46,69 @@ ffi::Error Rendezvous::Arrive(int rank, const std::string& signature, std::chron
         if (listed[r]) continue;
         os << (r == 0 ? " ranks [" : "; ranks [");
         for (int q = r, n = 0; q < num_ranks_; ++q) {
-          if (signatures_[q] != signatures_[r]) continue;
+          if (m.signatures[q] != m.signatures[r]) continue;
           listed[q] = true;
           os << (n++ ? ", " : "") << q;
         }
-        os << "] {" << signatures_[r] << "}";
+        os << "] {" << m.signatures[r] << "}";
       }
-      last_mismatch_ = os.str();
+      m.mismatch = os.str();
     }
-    count_ = 0;
-    arrived_.assign(num_ranks_, false);
-    ++generation_;
+    m.complete = true;
     cv_.notify_all();
-  } else if (!cv_.wait_for(lock, timeout, [&] { return generation_ != generation; })) {
-    std::ostringstream missing;
-    int n = 0;
+  } else if (!cv_.wait_for(lock, timeout, [&] { return m.complete; })) {
+    // This meeting can no longer complete correctly: the caller marks the workspace failed, a rank that comes later
+    // is turned away, and every rank still waiting here reports the same missing ranks.
+    m.expired = true;
+    std::vector<int> missing;
+    std::ostringstream names;
     for (int r = 0; r < num_ranks_; ++r) {
-      if (!arrived_[r]) missing << (n++ ? ", " : "") << r;
+      if (m.came[r]) continue;
+      names << (missing.empty() ? "" : ", ") << r;
+      missing.push_back(r);
     }
-    // This generation can no longer complete correctly: the caller marks the workspace failed, so the meeting
-    // point is not used again, and every rank still waiting here reports the same missing ranks.
     std::ostringstream os;
     os << op_name << ": rank " << rank << " waited " << std::chrono::duration<double>(timeout).count()
-       << " s for rank(s) [" << missing.str() << "] of its expert group, which did not arrive";
+       << " s for rank(s) [" << names.str() << "] of its expert group, which did not arrive"
+       << WhereTheyWait(key, missing);
+    Exit(key, m);
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, os.str());
   }
-  if (!last_mismatch_.empty()) return ffi::Error::InvalidArgument(last_mismatch_);
+  if (!m.mismatch.empty()) {
+    std::string mismatch = m.mismatch;
+    Exit(key, m);
+    return ffi::Error::InvalidArgument(mismatch);
+  }
+  *ticket = Ticket{key.first, key.second};
+  *all = m.contributions;
   return ffi::Error::Success();
+}
+
+void Meetings::Leave(const Ticket& ticket) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const Key key{ticket.site, ticket.occurrence};
+  Meeting& m = meetings_.at(key);
+  if (++m.left == num_ranks_) cv_.notify_all();
+  // Every rank came, so every rank leaves: it only copies from the contributions in between.
+  cv_.wait(lock, [&] { return m.left == num_ranks_; });
+  Exit(key, m);
+}
+
+void Meetings::Exit(const Key& key, Meeting& m) {
+  // An expired meeting stays, so that a rank coming to it later is turned away rather than left to wait alone.
+  if (--m.inside == 0 && !m.expired) meetings_.erase(key);
+}
+
+std::string Meetings::WhereTheyWait(const Key& key, const std::vector<int>& missing) const {
+  std::ostringstream os;
+  for (int r : missing) {
+    for (const auto& [other, m] : meetings_) {
+      if (other == key || m.complete || !m.came[r]) continue;
+      os << "; rank " << r << " waited at another call instead: {" << m.signatures[r] << "}";
+      break;
+    }
+  }
+  return os.str();
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +244,6 @@ std::shared_ptr<Workspace> NewWorkspace(const std::vector<std::vector<int>>& dev
     for (int r = 0; r < ws->num_ranks; ++r) {
       if (devices[g][r] < 0) continue;  // another process's device
       ws->slot_of_device[devices[g][r]] = {static_cast<int>(g), r};
-      ws->calls[devices[g][r]] = {0, 0};
     }
   }
   return ws;
@@ -215,13 +258,7 @@ std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, siz
     for (int d : group)
       if (d < 0) return "simulated CPU devices of one expert group must all belong to this process";
   auto ws = NewWorkspace(devices, bytes, timeout_ns, /*cuda=*/false);
-  for (size_t g = 0; g < devices.size(); ++g) {
-    ws->rendezvous.push_back(std::make_unique<Rendezvous>(ws->num_ranks));
-    for (int r = 0; r < ws->num_ranks; ++r) {
-      ws->host_blocks.emplace_back(new uint8_t[bytes > 0 ? bytes : 1]());
-      ws->base[g][r] = ws->host_blocks.back().get();
-    }
-  }
+  for (size_t g = 0; g < devices.size(); ++g) ws->meetings.push_back(std::make_unique<Meetings>(ws->num_ranks));
   *id = RegisterWorkspace(ws);
   return "";
 }
