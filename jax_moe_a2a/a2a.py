@@ -462,7 +462,8 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   Differentiable in expert_out: the VJP dispatches ``ct_out[t]``, cast to expert_out's dtype, to every slot
   token t was sent to; padding rows get 0. With a workspace, that dispatch is the one-sided custom call (on the
   handle's ids) when a cotangent row fits the workspace's dispatch rows (``Workspace.fits_dispatch_rows``: e.g.
-  bf16 expert rows on a bf16 wire), else the twin's exchange.
+  bf16 expert rows on a bf16 wire, or any rows on a workspace created with ``training=True``), else the twin's
+  exchange.
 
   Args:
     expert_out: ``[num_ranks, num_tokens, hidden]`` floating (bf16 or float32), per shard of `handle`'s axis,
@@ -547,11 +548,15 @@ class Workspace:
     combine_dtype: dtype of combine's expert_out rows (bfloat16 or float32).
     timeout_s: how long a rank waits for its peers before failing.
     mx_alignment: see `layout.dispatch_layout`.
+    training: also give each received activation row room for the rows that combine's VJP dispatches
+      (``hidden`` values of combine_dtype), so that VJP takes the one-sided call whatever the wire format; with an
+      FP8 wire and bf16 rows this doubles the activation receive regions. Without it gradients still work: combine's VJP takes
+      the twin's exchange where its rows do not fit the wire's (`fits_dispatch_rows`).
   """
 
   def __init__(self, mesh: jax.sharding.Mesh, *, expert_axis: Hashable, capacity: int, hidden: int, top_k: int,
                fmt: str = layout.BF16, combine_dtype: Any = jnp.bfloat16, timeout_s: float = 10.0,
-               mx_alignment: Optional[int] = None):
+               mx_alignment: Optional[int] = None, training: bool = False):
     axes = expert_axis if isinstance(expert_axis, tuple) else (expert_axis,)
     for a in axes:
       if a not in mesh.axis_names:
@@ -562,10 +567,13 @@ class Workspace:
     if combine_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
       raise ValueError(f"Workspace: combine_dtype must be bfloat16 or float32, got {combine_dtype}")
     num_ranks = int(np.prod([mesh.shape[a] for a in axes]))
+    wire = layout.dispatch_layout(hidden, fmt, top_k=top_k, mx_alignment=mx_alignment)
+    x_row_bytes = max(wire.x_bytes_per_token, hidden * combine_dtype.itemsize) if training else None
     self.layout = layout.workspace_layout(num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
                                           fmt=fmt, combine_dtype_bytes=combine_dtype.itemsize,
-                                          mx_alignment=mx_alignment)
+                                          mx_alignment=mx_alignment, x_row_bytes=x_row_bytes)
     self.expert_axis = expert_axis
+    self.training = bool(training)
     self.num_ranks = num_ranks
     self.combine_dtype = combine_dtype
     self.timeout_s = float(timeout_s)
@@ -681,20 +689,20 @@ class Workspace:
     state = "closed" if self._id is None else f"id={self._id}"
     return (f"Workspace({state}, platform={self.platform}, expert_axis={self.expert_axis!r}, "
             f"num_ranks={self.num_ranks}, capacity={self.layout.capacity}, fmt={self.layout.dispatch.fmt}, "
-            f"{self.layout.total_bytes / 2**20:.1f} MiB per device)")
+            f"training={self.training}, {self.layout.total_bytes / 2**20:.1f} MiB per device)")
 
   # Trace-time checks of a call against the layout
 
   def _dispatch_row_problems(self, x: Any) -> list[str]:
     """What keeps ``x`` ([T, ...], an array or its shape and dtype) out of the dispatch regions: T over the
-    capacity, a row over x_bytes_per_token."""
-    d = self.layout.dispatch
+    capacity, a row over the room of a received row (layout.x_row_bytes)."""
     x_row = _row_bytes(x)
     problems = []
     if x.shape[0] > self.layout.capacity:
       problems.append(f"num_tokens {x.shape[0]} > capacity {self.layout.capacity}")
-    if x_row > d.x_bytes_per_token:
-      problems.append(f"x row of {x_row} bytes > {d.x_bytes_per_token} (workspace format {d.fmt})")
+    if x_row > self.layout.x_row_bytes:
+      problems.append(f"x row of {x_row} bytes > {self.layout.x_row_bytes} (workspace format "
+                      f"{self.layout.dispatch.fmt}, training={self.training})")
     return problems
 
   def check_dispatch(self, x: jax.Array, x_sf: Optional[jax.Array], top_k: int, num_ranks: int) -> None:
@@ -732,20 +740,27 @@ class Workspace:
 
   def fits_dispatch_rows(self, rows: Any) -> bool:
     """Whether ``rows`` ([T, ...], an array or its shape and dtype) fit this workspace's dispatch rows
-    (x_bytes_per_token) and capacity."""
+    (layout.x_row_bytes: the wire's x_bytes_per_token, or combine's rows with ``training``) and capacity."""
     return len(rows.shape) >= 1 and not self._dispatch_row_problems(rows)
 
-  def attrs(self, op: str) -> dict[str, np.int64]:
-    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync and scan words, the id."""
+  def attrs(self, op: str, *, x_row_bytes: Optional[int] = None,
+            x_sf_row_bytes: Optional[int] = None) -> dict[str, np.int64]:
+    """Custom-call attributes: buffer 0's region offsets, the buffer stride, flags, sync and scan words, the id.
+    For a dispatch, also whether its rows (x and scale bytes per token; default: the wire format's) take the LL form
+    at small sizes: ll_tokens is 0 where they cannot or where their LL rows would not fit the layout's."""
     off = self.layout.offsets()
     common = {"buffer_stride": off["buf1.recv_x"] - off["buf0.recv_x"], "capacity": self.layout.capacity,
               "num_ranks": self.num_ranks, "off_flags": off["flags"], "off_sync": off["sync"],
               "workspace": self.id}
     if op == "dispatch":
+      d = self.layout.dispatch
+      ll = layout.ll_row_bytes(d.x_bytes_per_token if x_row_bytes is None else x_row_bytes,
+                               d.x_sf_bytes_per_token if x_sf_row_bytes is None else x_sf_row_bytes, d.top_k)
       common.update(off_x=off["buf0.recv_x"], off_x_sf=off["buf0.recv_x_sf"], off_ids=off["buf0.recv_topk_ids"],
                     off_weights=off["buf0.recv_topk_weights"], off_counts=off["buf0.recv_counts"],
                     off_ready=off["buf0.recv_ready"], off_ll=off["buf0.recv_ll"], off_scan=off["scan"],
-                    ll_tokens=self.layout.ll_tokens, ll_row_bytes=self.layout.ll_row_bytes)
+                    ll_tokens=self.layout.ll_tokens if 0 < ll <= self.layout.ll_row_bytes else 0,
+                    ll_row_bytes=self.layout.ll_row_bytes)
     else:
       common.update(off_combine=off["buf0.combine"], off_ready=off["buf0.combine_ready"])
     return {k: np.int64(v) for k, v in common.items()}
@@ -825,7 +840,8 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, 
   # dispatch path (measured: ~80 us of host time per call, more than the whole call takes on the GPUs).
   after = _nothing_before() if after is None else after
   outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, after,
-                       num_experts=np.int64(st.num_experts), site=_site(), **st.workspace.attrs("dispatch"))
+                       num_experts=np.int64(st.num_experts), site=_site(),
+                       **st.workspace.attrs("dispatch", x_row_bytes=_row_bytes(x), x_sf_row_bytes=_row_bytes(sf)))
   recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, (x, topk_ids), st.axis_name)
   valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
   topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), -1).astype(jnp.int32)

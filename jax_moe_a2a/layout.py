@@ -198,11 +198,12 @@ LL_MAX_TOKENS = 64
 LL_UNIT_BYTES = 8
 
 
-def ll_row_bytes(d: "DispatchLayout") -> int:
-  """Bytes of a row in LL form (an even number of units), or 0 where the row does not take the LL form."""
-  if d.x_bytes_per_token % 16 or d.x_sf_bytes_per_token % 4:
+def ll_row_bytes(x_bytes: int, x_sf_bytes: int, top_k: int) -> int:
+  """Bytes of a row of `x_bytes` activation and `x_sf_bytes` scale bytes in LL form (an even number of units), or 0
+  where such a row does not take the LL form."""
+  if x_bytes % 16 or x_sf_bytes % 4:
     return 0
-  words = (d.x_bytes_per_token + d.x_sf_bytes_per_token) // 4 + 2 * d.top_k
+  words = (x_bytes + x_sf_bytes) // 4 + 2 * top_k
   return LL_UNIT_BYTES * (words + words % 2)
 
 
@@ -231,14 +232,14 @@ class WorkspaceLayout:
   Regions of one buffer (``buf<b>.`` prefix, b < num_buffers; consecutive calls alternate buffers so a peer
   never overwrites what a slower rank may still be reading):
 
-  - ``recv_x``        [num_ranks, capacity, x_bytes_per_token]: activations received from each source rank;
+  - ``recv_x``        [num_ranks, capacity, x_row_bytes]: activations received from each source rank;
   - ``recv_x_sf``     [num_ranks, capacity, x_sf_bytes_per_token]: their scales (size 0 for bf16);
   - ``recv_topk_ids`` [num_ranks, capacity, top_k] int32;
   - ``recv_topk_weights`` [num_ranks, capacity, top_k] float32;
   - ``recv_counts``   [num_ranks] uint64: per source, the tokens received from it in the low 32 bits, under the
     epoch of the dispatch that wrote them (GPU kernels; one 64-bit store keeps the two together);
   - ``combine``       [num_ranks, capacity, hidden] combine dtype: expert outputs sent back by each rank;
-  - ``recv_ready``    [num_ranks, capacity, pieces(x_bytes_per_token)] uint32: per piece of a received row, the
+  - ``recv_ready``    [num_ranks, capacity, pieces(x_row_bytes)] uint32: per piece of a received row, the
     epoch of the dispatch that filled it (written by the source after the piece);
   - ``combine_ready`` [num_ranks, capacity, pieces(combine bytes per token)] uint32: the same for combine rows.
   - ``recv_ll``       [num_ranks, ll_tokens, ll_row_bytes] uint64 units: rows received in LL form (see
@@ -255,10 +256,12 @@ class WorkspaceLayout:
   Attributes:
     num_ranks, capacity: the sizes the layout was computed for.
     dispatch: the per-token payload layout (format, hidden, top_k).
+    x_row_bytes: room for one received activation row: the wire's x_bytes_per_token, or more (see
+      `workspace_layout`); a call's rows may be narrower.
     combine_bytes_per_token: bytes of one combine row (hidden * bytes of the combine dtype).
     num_buffers: how many alternating copies of the per-call regions exist.
     ll_tokens: the most tokens per rank of a dispatch call that sends its rows in LL form (0: none).
-    ll_row_bytes: bytes of a row in LL form (0: none).
+    ll_row_bytes: bytes of a row in LL form, for the widest row the workspace holds (0: none).
     regions: all regions in offset order.
     total_bytes: bytes of the whole workspace (a multiple of REGION_ALIGNMENT).
   """
@@ -266,6 +269,7 @@ class WorkspaceLayout:
   num_ranks: int
   capacity: int
   dispatch: DispatchLayout
+  x_row_bytes: int
   combine_bytes_per_token: int
   num_buffers: int
   ll_tokens: int
@@ -287,7 +291,7 @@ class WorkspaceLayout:
 
 def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, fmt: str,
                      combine_dtype_bytes: int = 2, num_buffers: int = 2,
-                     mx_alignment: Optional[int] = None) -> WorkspaceLayout:
+                     mx_alignment: Optional[int] = None, x_row_bytes: Optional[int] = None) -> WorkspaceLayout:
   """Offsets and sizes of every region of one rank's one-sided workspace, computed in one pass.
 
   Receive regions hold [num_ranks, capacity, ...]: a source sends each of its `capacity` tokens to a rank at
@@ -302,21 +306,35 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
     combine_dtype_bytes: bytes of one element of the combine payload (2 for bf16, 4 for float32).
     num_buffers: alternating copies of the per-call regions (2: double buffering).
     mx_alignment: see `dispatch_layout`.
+    x_row_bytes: room for one received activation row, at least the wire format's x_bytes_per_token (the
+      default). More lets the workspace carry wider rows too, e.g. the bf16 cotangent rows that combine's VJP
+      dispatches next to an FP8 wire.
+
+  Raises:
+    ValueError: a non-positive size, a bad format (see `dispatch_layout`), or x_row_bytes below the wire's row.
   """
   _check_positive("workspace_layout", num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
                   combine_dtype_bytes=combine_dtype_bytes, num_buffers=num_buffers)
   d = dispatch_layout(hidden, fmt, top_k=top_k, mx_alignment=mx_alignment)
+  if x_row_bytes is None:
+    x_row_bytes = d.x_bytes_per_token
+  _check_positive("workspace_layout", x_row_bytes=x_row_bytes)
+  if x_row_bytes < d.x_bytes_per_token:
+    raise ValueError(f"workspace_layout: x_row_bytes must be >= the {fmt} row of {d.x_bytes_per_token} bytes, "
+                     f"got {x_row_bytes}")
   slots = num_ranks * capacity
-  ll_row = ll_row_bytes(d)
+  # LL rows sized for the widest row that takes the LL form: the room, else the wire's row.
+  ll_row = ll_row_bytes(x_row_bytes, d.x_sf_bytes_per_token, top_k) or \
+      ll_row_bytes(d.x_bytes_per_token, d.x_sf_bytes_per_token, top_k)
   ll_tokens = min(capacity, LL_MAX_TOKENS) if ll_row else 0
   per_buffer = (
-      ("recv_x", slots * d.x_bytes_per_token),
+      ("recv_x", slots * x_row_bytes),
       ("recv_x_sf", slots * d.x_sf_bytes_per_token),
       ("recv_topk_ids", slots * d.topk_ids_bytes_per_token),
       ("recv_topk_weights", slots * d.topk_weights_bytes_per_token),
       ("recv_counts", num_ranks * COUNT_BYTES),
       ("combine", slots * hidden * combine_dtype_bytes),
-      ("recv_ready", slots * pieces(d.x_bytes_per_token) * READY_BYTES),
+      ("recv_ready", slots * pieces(x_row_bytes) * READY_BYTES),
       ("combine_ready", slots * pieces(hidden * combine_dtype_bytes) * READY_BYTES),
       ("recv_ll", num_ranks * ll_tokens * ll_row),
   )
@@ -331,6 +349,6 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
   for name, size in named:  # the one pass: each offset is the previous end, aligned
     regions.append(Region(name, offset, size))
     offset = round_up(offset + size, REGION_ALIGNMENT)
-  return WorkspaceLayout(num_ranks=num_ranks, capacity=capacity, dispatch=d,
+  return WorkspaceLayout(num_ranks=num_ranks, capacity=capacity, dispatch=d, x_row_bytes=x_row_bytes,
                          combine_bytes_per_token=hidden * combine_dtype_bytes, num_buffers=num_buffers,
                          ll_tokens=ll_tokens, ll_row_bytes=ll_row, regions=tuple(regions), total_bytes=offset)

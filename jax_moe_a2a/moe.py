@@ -605,11 +605,14 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   return _moe_apply(dict(params), x, config, mesh, workspace)
 
 
-def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s: float = 10.0) -> a2a.Workspace:
+def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s: float = 10.0,
+                   training: bool = False) -> a2a.Workspace:
   """The `a2a.Workspace` that `moe_apply(..., workspace=...)` needs for `num_tokens` global tokens.
 
   Sized for one shard's dispatch: num_tokens over the token sharding (and over tp under sequence parallelism),
-  the wire format and top_k of the config, and expert outputs in the compute dtype. Close it when done.
+  the wire format and top_k of the config, and expert outputs in the compute dtype; with ``training``, room for
+  the rows of combine's VJP too, so that it is one-sided whatever the wire format (`a2a.Workspace`).
+  Close it when done.
   """
   sizes = dict(mesh.shape)
   shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))
@@ -617,7 +620,8 @@ def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s:
   if config.sequence_parallel:
     capacity //= sizes[config.tp_axis]
   return a2a.Workspace(mesh, expert_axis=config.expert_axis, capacity=max(capacity, 1), hidden=config.hidden,
-                       top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s)
+                       top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s,
+                       training=training)
 
 
 # ----------------------------------------------------------------------------------------------------------------

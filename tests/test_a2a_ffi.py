@@ -217,6 +217,48 @@ def test_small_calls_in_ll_form_and_larger_ones_in_pieces_share_a_workspace(fmt,
     ws.check()
 
 
+def test_rows_other_than_the_wire_s_fit_a_training_workspace():
+  """A workspace made for training (FP8 wire, float32 combine rows) has room for rows of hidden float32 values: such
+  rows, the wire's own, and rows that cannot take the LL form (13 bytes) all equal the twin, in LL form (3 tokens)
+  and in pieces; without that room the wide rows are an error naming the sizes."""
+  mesh = _mesh()
+  num_ranks, hidden, top_k = mesh.shape[AXIS], 256, 4
+  num_experts = 2 * num_ranks
+  capacity = layout.LL_MAX_TOKENS + 9
+  with pytest.raises(ValueError, match=r"x row of 1024 bytes > 256 \(workspace format fp8_blockwise, training=False"):
+    with a2a.Workspace(mesh, expert_axis=AXIS, capacity=capacity, hidden=hidden, top_k=top_k, fmt="fp8_blockwise",
+                       combine_dtype=jnp.float32) as ws:
+      x, _, ids, weights = _inputs(mesh, 60, 3, hidden, top_k, num_experts, "invalid")
+      _run(mesh, ws, x.astype(jnp.float32), None, ids, weights, num_experts, "ffi", combine_dtype=jnp.float32)
+  with a2a.Workspace(mesh, expert_axis=AXIS, capacity=capacity, hidden=hidden, top_k=top_k, fmt="fp8_blockwise",
+                     combine_dtype=jnp.float32, training=True) as ws:
+    assert ws.layout.x_row_bytes == 4 * hidden
+    for i, num_tokens in enumerate([3, capacity]):
+      x, _, ids, weights = _inputs(mesh, 61 + i, num_tokens, hidden, top_k, num_experts, "invalid")
+      x = x.astype(jnp.float32)
+      for fmt in ("bf16", "fp8_blockwise"):
+        if fmt == "fp8_blockwise":
+          x_q, x_sf, ids, weights = _inputs(mesh, 63 + i, num_tokens, hidden, top_k, num_experts, "invalid", fmt=fmt)
+          args = (x_q, x_sf, ids, weights)
+        else:
+          args = (x, None, ids, weights)
+        got = _run(mesh, ws, *args, num_experts, "ffi", combine_dtype=jnp.float32)
+        want = _run(mesh, None, *args, num_experts, "reference", combine_dtype=jnp.float32)
+        _assert_outputs_equal(got, want)
+      odd = jax.device_put(np.random.default_rng(i).integers(0, 256, (num_ranks * num_tokens, 13), np.uint8),
+                           NamedSharding(mesh, P(AXIS)))
+
+      def dispatch(ws, impl, odd=odd, ids=ids, weights=weights):
+        def body(x, ids, weights):
+          res, _ = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=AXIS, workspace=ws, impl=impl)
+          return res.recv_x[None], res.recv_topk_ids[None], res.recv_counts[None]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=(P(AXIS),) * 3))(
+            odd, ids, weights)
+      for g, w in zip(dispatch(ws, "ffi"), dispatch(None, "reference")):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+    ws.check()
+
+
 @pytest.mark.parametrize("fmt,hidden", [("bf16", 1096), ("fp8_blockwise", 2176)])
 def test_rows_longer_than_one_copy_piece(fmt, hidden):
   """The GPU kernels move a row in 2 KiB pieces; rows of several pieces, the last one partial, arrive whole."""
@@ -297,11 +339,12 @@ def test_independent_calls_of_equal_shapes_pair_up_by_call():
 
 
 # bf16 expert rows on a bf16 wire: combine's VJP is a one-sided dispatch of the output cotangent (on the handle's
-# ids); float32 expert rows (4 bytes a value) do not fit the bf16 wire and take the twin's exchange. Dispatch's VJP
-# returns the rows' cotangents by a one-sided combine (bf16 rows cast exactly into either combine dtype); the
-# weights' always by the exchange.
-@pytest.mark.parametrize("combine_dtype,one_sided_combine_vjp", [(jnp.bfloat16, True), (jnp.float32, False)])
-def test_gradients_match_the_twin(combine_dtype, one_sided_combine_vjp):
+# ids); float32 expert rows (4 bytes a value) do not fit the bf16 wire and take the twin's exchange, unless the
+# workspace was made for training (rows with room for them). Dispatch's VJP returns the rows' cotangents by a
+# one-sided combine (bf16 rows cast exactly into either combine dtype); the weights' always by the exchange.
+@pytest.mark.parametrize("combine_dtype,training,one_sided_combine_vjp",
+                         [(jnp.bfloat16, False, True), (jnp.float32, False, False), (jnp.float32, True, True)])
+def test_gradients_match_the_twin(combine_dtype, training, one_sided_combine_vjp):
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 6, 16, 3
   num_experts = 2 * num_ranks
@@ -316,7 +359,7 @@ def test_gradients_match_the_twin(combine_dtype, one_sided_combine_vjp):
     return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(x, ids, weights))
 
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=num_tokens, hidden=hidden, top_k=top_k,
-                     combine_dtype=combine_dtype, timeout_s=20) as ws:
+                     combine_dtype=combine_dtype, timeout_s=20, training=training) as ws:
     grad = jax.grad(functools.partial(loss, ws, "ffi"), argnums=(0, 1))
     text = str(jax.make_jaxpr(grad)(x, weights))
     calls = {"dispatch": 1 + one_sided_combine_vjp, "combine": 2, "all_to_all": 2 - one_sided_combine_vjp}
@@ -444,7 +487,7 @@ def test_life_cycle_and_fit_errors():
     with pytest.raises(ValueError, match=r"must fit the workspace, got num_tokens 2 > capacity 1"):
       _skip_rank(mesh, small, skipped=-1)
   with a2a.Workspace(mesh, expert_axis=AXIS, capacity=2, hidden=4, top_k=1) as narrow:
-    with pytest.raises(ValueError, match=r"x row of 16 bytes > 8 \(workspace format bf16\)"):
+    with pytest.raises(ValueError, match=r"x row of 16 bytes > 8 \(workspace format bf16, training=False\)"):
       _skip_rank(mesh, narrow, skipped=-1)
   with pytest.raises(ValueError, match="impl='ffi' needs a workspace"):
     jax.shard_map(lambda x: a2a.dispatch(x, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.float32),
@@ -590,28 +633,33 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
     np.testing.assert_allclose(np.asarray(g_ffi), np.asarray(g_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(g_ref))))
 
 
-def test_moe_training_gradients_with_a_workspace_equal_the_twin():
-  """A training step of the layer (bf16 wire and rows, a shared expert, one expert group per data index): the
-  gradients of every parameter and of x equal the twin's bit for bit on CPU. Combine's VJP is a one-sided dispatch
-  here, and the wire's VJP a one-sided combine after it. Its cotangent is known from the start, so without its
-  `after` operand (the forward combine's result) XLA:CPU could start it on some devices while others wait in the
-  data axis's all-reduce: every device would wait for another."""
+@pytest.mark.parametrize("wire_format,training", [("bf16", False), ("fp8_blockwise", True)])
+def test_moe_training_gradients_with_a_workspace_equal_the_twin(wire_format, training):
+  """A training step of the layer (bf16 rows, a shared expert, one expert group per data index): the gradients of
+  every parameter and of x equal the twin's bit for bit on CPU. Combine's VJP is a one-sided dispatch here (its
+  bf16 rows fit a bf16 wire's rows, and an FP8 wire's with room for training), and the wire's VJP a one-sided
+  combine after it. Its cotangent is known from the start, so without its `after` operand (the forward combine's
+  result) XLA:CPU could start it on some devices while others wait in the data axis's all-reduce: every device
+  would wait for another."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
   data = 2 if n >= 4 else 1
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(data, n // data), ("data", "expert"))
-  cfg = moe.MoEConfig(num_experts=16 * (n // data), top_k=6, hidden=1024, ffn=512, wire_format="bf16",
+  cfg = moe.MoEConfig(num_experts=16 * (n // data), top_k=6, hidden=1024, ffn=512, wire_format=wire_format,
                       num_shared_experts=1, token_axes=("data", "expert"), expert_axis="expert", dtype=jnp.bfloat16)
   params = moe.init_params(jax.random.key(0), cfg, mesh)
   sharding = NamedSharding(mesh, P(("data", "expert")))
   x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 1024), jnp.float32).astype(jnp.bfloat16), sharding)
   ct = jax.device_put(jax.random.normal(jax.random.key(2), (64 * n, 1024), jnp.float32), sharding)
 
-  def grads(ws):  # the loss too: the forward combine stays in the program
+  def step(ws):  # the loss too: the forward combine stays in the program
     loss = lambda p, x: jnp.sum(moe.moe_apply(p, x, cfg, mesh, workspace=ws)[0].astype(jnp.float32) * ct)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    return jax.value_and_grad(loss, argnums=(0, 1))
 
-  with moe.make_workspace(cfg, mesh, 64 * n) as ws:
+  grads = lambda ws: jax.jit(step(ws))(params, x)
+  with moe.make_workspace(cfg, mesh, 64 * n, training=training) as ws:
+    text = str(jax.make_jaxpr(step(ws))(params, x))
+    assert (text.count("jax_moe_a2a_dispatch"), text.count("jax_moe_a2a_combine")) == (2, 2)
     got = [grads(ws) for _ in range(2)]
     ws.check()
   want = grads(None)

@@ -463,3 +463,25 @@ def test_workspace_ll_region_holds_small_calls_in_8_byte_units():
   # An x row that is not whole 16-byte vectors does not take the LL form: the region is empty.
   ws = workspace_layout(num_ranks=2, capacity=5, hidden=100, top_k=2, fmt="bf16")
   assert (ws.ll_tokens, ws.ll_row_bytes, ws.region("buf0.recv_ll").size) == (0, 0, 0)
+
+
+def test_workspace_rows_with_room_for_wider_rows():
+  """x_row_bytes widens the activation rows (and their ready words and LL rows), nothing else."""
+  wire = workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise")
+  assert wire.x_row_bytes == wire.dispatch.x_bytes_per_token == 7168
+  # Room for bf16 rows (the cotangents combine's VJP dispatches): 14336 bytes, 7 pieces each; LL rows of
+  # (14336 + 224) / 4 + 2 * 8 = 3656 words.
+  wide = workspace_layout(num_ranks=2, capacity=4096, hidden=7168, top_k=8, fmt="fp8_blockwise", x_row_bytes=14336)
+  assert wide.x_row_bytes == 14336 and wide.dispatch == wire.dispatch
+  assert wide.region("buf0.recv_x").size == 2 * 4096 * 14336
+  assert wide.region("buf0.recv_ready").size == 2 * 4096 * 7 * 4
+  assert wide.ll_tokens == 64 and wide.ll_row_bytes == 8 * 3656
+  for name in ("recv_x_sf", "recv_topk_ids", "recv_topk_weights", "recv_counts", "combine", "combine_ready"):
+    assert wide.region(f"buf0.{name}").size == wire.region(f"buf0.{name}").size
+  # A room that does not take the LL form leaves the wire's LL rows.
+  odd = workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise", x_row_bytes=300)
+  assert odd.ll_row_bytes == 560 and odd.region("buf0.recv_x").size == 6 * 300
+  with pytest.raises(ValueError, match=re.escape("x_row_bytes must be >= the fp8_blockwise row of 256 bytes, got 255")):
+    workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise", x_row_bytes=255)
+  with pytest.raises(ValueError, match="x_row_bytes must be a positive int, got 0"):
+    workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise", x_row_bytes=0)
