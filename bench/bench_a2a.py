@@ -22,8 +22,8 @@ GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb
 (gpu_gb_per_s): for dispatch, (token, other rank) pairs the routing sends times the wire bytes per token
 (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for combine, the same pairs times 2 * hidden.
 With ``--vjp``, "combine_vjp" (ffi, twin) is combine's VJP of a bf16 cotangent: (dispatch + combine + the VJP) minus
-(dispatch + combine), each way; on the ffi path it is a one-sided dispatch of the bf16 rows when they fit the wire
-rows (bf16 wire), else the twin's exchange.
+(dispatch + combine), each way; on the ffi path it is a one-sided dispatch of the bf16 rows (the workspace is then
+made with ``training=True``, which gives an FP8 wire's received rows room for them).
 
   python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--impls ...] [--kernels]
                             [--processes N] [--out DIR]
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
       sets, ids0 = [m[0] for m in made], made[0][1]
       pairs = _nvlink_pairs(ids0, num_ranks, args.experts)
       ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=tokens, hidden=args.hidden, top_k=args.top_k, fmt=fmt,
-                         timeout_s=30)
+                         timeout_s=30, training=args.vjp)
       has_sf = sets[0][1] is not None
 
       def dispatch_fn(impl, n):
