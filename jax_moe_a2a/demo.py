@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
   split = lambda p: ({k: p[k] for k in trained}, {k: v for k, v in p.items() if k not in trained})
   use_ffi = args.a2a == "ffi" or (args.a2a == "auto" and _ffi.available() and
                                   jax.default_backend() in _ffi.register())
-  workspace = moe.make_workspace(config, mesh, num_tokens) if use_ffi else None
+  workspace = moe.make_workspace(config, mesh, num_tokens, training=True) if use_ffi else None
   step = jax.jit(loss_fn(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace)))
   oracle = jax.jit(loss_fn(lambda p, x: moe.moe_dense_reference(p, x, config)))
 
