@@ -15,6 +15,10 @@ import runpy
 import sys
 
 
+def _size(num_bytes: int) -> str:
+  return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.1f} KiB"
+
+
 def _report(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -26,19 +30,21 @@ def _report(args: argparse.Namespace) -> int:
         f"{'built' + (' with CUDA' if _ffi.with_cuda() else ' (CPU only)') if _ffi.available() else 'missing'}")
   print(f"\nPayload per token, hidden={args.hidden}, top_k={args.top_k}:")
   print(f"  {'format':<14} {'x':>7} {'x_sf':>6} {'ids':>5} {'weights':>8} {'total':>7}   ws/rank ({args.ranks} ranks, "
-        f"capacity {args.capacity})")
+        f"capacity {args.capacity}; for training: room for bf16 rows)")
   for fmt in layout.FORMATS:
     try:
       d = layout.dispatch_layout(args.hidden, fmt, top_k=args.top_k, mx_alignment=args.mx_alignment
                                  if fmt == layout.MXFP8 else None)
-      ws = layout.workspace_layout(num_ranks=args.ranks, capacity=args.capacity, hidden=args.hidden,
-                                   top_k=args.top_k, fmt=fmt,
-                                   mx_alignment=args.mx_alignment if fmt == layout.MXFP8 else None)
+      sizes = dict(num_ranks=args.ranks, capacity=args.capacity, hidden=args.hidden, top_k=args.top_k, fmt=fmt,
+                   mx_alignment=args.mx_alignment if fmt == layout.MXFP8 else None)
+      ws = layout.workspace_layout(**sizes)
+      ws_training = layout.workspace_layout(**sizes, x_row_bytes=max(d.x_bytes_per_token, 2 * args.hidden))
     except ValueError as e:
       print(f"  {fmt:<14} not available: {e}")
       continue
     print(f"  {fmt:<14} {d.x_bytes_per_token:>7} {d.x_sf_bytes_per_token:>6} {d.topk_ids_bytes_per_token:>5} "
-          f"{d.topk_weights_bytes_per_token:>8} {d.bytes_per_token:>7}   {ws.total_bytes / 2**20:>9.1f} MiB")
+          f"{d.topk_weights_bytes_per_token:>8} {d.bytes_per_token:>7}   {_size(ws.total_bytes):>9}; "
+          f"{_size(ws_training.total_bytes)} for training")
 
   if args.hidden % 128:
     return 0

@@ -83,7 +83,7 @@ def resolve_impl(op: str, impl: str) -> str:
   if impl not in IMPLS:
     raise ValueError(f"{op}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
   if impl == "auto":
-    impl = os.environ.get(ENV_IMPL, "auto")
+    impl = os.environ.get(ENV_IMPL) or "auto"  # set but empty: as if unset
     if impl not in IMPLS:
       raise ValueError(f"{op}: ${ENV_IMPL} must be one of {', '.join(IMPLS)}, got {impl!r}")
   backend = jax.default_backend()

@@ -4,6 +4,7 @@ On CPU the simulated devices meet at a process-wide meeting point per call; on a
 same tests run over NVLink peer memory on every visible GPU.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -652,8 +653,9 @@ def test_moe_training_gradients_with_a_workspace_equal_the_twin(wire_format, tra
   x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 1024), jnp.float32).astype(jnp.bfloat16), sharding)
   ct = jax.device_put(jax.random.normal(jax.random.key(2), (64 * n, 1024), jnp.float32), sharding)
 
-  def step(ws):  # the loss too: the forward combine stays in the program
-    loss = lambda p, x: jnp.sum(moe.moe_apply(p, x, cfg, mesh, workspace=ws)[0].astype(jnp.float32) * ct)
+  def step(ws):  # the loss too: the forward combine stays in the program; with a workspace, the custom calls always
+    c = cfg if ws is None else dataclasses.replace(cfg, impl="ffi")
+    loss = lambda p, x: jnp.sum(moe.moe_apply(p, x, c, mesh, workspace=ws)[0].astype(jnp.float32) * ct)
     return jax.value_and_grad(loss, argnums=(0, 1))
 
   grads = lambda ws: jax.jit(step(ws))(params, x)

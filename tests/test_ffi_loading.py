@@ -1,6 +1,7 @@
 """Without the compiled extension the package still imports and runs on its twins; asking for a custom call
 then says how to build it."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -34,3 +35,9 @@ def test_impl_is_validated(monkeypatch):
   monkeypatch.setenv(_ffi.ENV_IMPL, "fast")
   with pytest.raises(ValueError, match=r"\$JAX_MOE_A2A_IMPL must be one of auto, ffi, reference, got 'fast'"):
     quant.quantize_fp8_blockwise(jnp.ones((2, 128), jnp.bfloat16))
+
+
+def test_an_empty_impl_variable_is_as_if_unset(monkeypatch):
+  monkeypatch.setenv(_ffi.ENV_IMPL, "")
+  assert _ffi.resolve_impl("op", "auto") == ("ffi" if _ffi.available() and jax.default_backend() in _ffi.register()
+                                             else "reference")
