@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not has_gpu:
       item.add_marker(skip)
+
+
+def devices(n: int) -> list:
+  """The first `n` devices; skips the test where fewer are visible (a GPU run on one or two GPUs)."""
+  have = jax.devices()
+  if len(have) < n:
+    pytest.skip(f"needs {n} devices, {len(have)} visible")
+  return have[:n]

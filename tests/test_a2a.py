@@ -12,13 +12,14 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 from jax.test_util import check_grads
 
+from conftest import devices
 from jax_moe_a2a import a2a
 
 AXIS = "ep"
 
 
 def _mesh(num_ranks):
-  return Mesh(np.array(jax.devices()[:num_ranks]), (AXIS,))
+  return Mesh(np.array(devices(num_ranks)), (AXIS,))
 
 
 def _bits(a):
@@ -256,7 +257,7 @@ def test_dispatch_over_one_axis_of_a_2d_mesh(mesh_shape):
   groups, num_ranks = mesh_shape
   num_tokens, top_k, local = 5, 2, 2
   num_experts = num_ranks * local
-  mesh = Mesh(np.array(jax.devices()[:groups * num_ranks]).reshape(mesh_shape), ("dp", AXIS))
+  mesh = Mesh(np.array(devices(groups * num_ranks)).reshape(mesh_shape), ("dp", AXIS))
   rng = np.random.default_rng(11)
   ids = _random_ids(rng, groups * num_ranks, num_tokens, top_k, num_experts)
   w = rng.random(ids.shape).astype(np.float32)

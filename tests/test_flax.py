@@ -9,13 +9,14 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from conftest import devices
 from jax_moe_a2a import flax_moe, moe
 
 HIDDEN = 256
 
 
 def _setup(fp8_weights=False):
-  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "tp"))
+  mesh = Mesh(np.asarray(devices(8)).reshape(2, 4), ("data", "tp"))
   config = moe.MoEConfig(num_experts=16, top_k=4, hidden=HIDDEN, ffn=128, dtype=jnp.float32,
                          token_axes=("data",), expert_axis=("data", "tp"), tp_axis="tp", sequence_parallel=True,
                          num_shared_experts=1, fp8_weights=fp8_weights)
@@ -102,7 +103,7 @@ def test_linen_module_equals_moe_apply_and_gradients_flow():
 
 
 def test_modules_reject_a_non_config():
-  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "expert"))
+  mesh = Mesh(np.asarray(devices(8)).reshape(2, 4), ("data", "expert"))
   with pytest.raises(TypeError, match="MoE: config must be a moe.MoEConfig, got dict"):
     flax_moe.MoE(config={}, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="LinenMoE: config must be a moe.MoEConfig, got int"):

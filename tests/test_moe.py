@@ -31,6 +31,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from conftest import devices
 from jax_moe_a2a import a2a, experts, moe, routing
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
@@ -59,7 +60,7 @@ def _config(**kw):
 
 
 def _mesh(shape, names):
-  return Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+  return Mesh(np.asarray(devices(int(np.prod(shape)))).reshape(shape), names)
 
 
 @functools.lru_cache(maxsize=None)
