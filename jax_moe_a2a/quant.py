@@ -109,16 +109,52 @@ def _check_global_scale(op: str, global_scale: Any) -> jax.Array:
 
 
 def _true_div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`a / b` in float32, correctly rounded, both operands broadcast to one shape.
+  """`a / b` in float32, correctly rounded on every backend, both operands broadcast to one shape.
 
   XLA rewrites a division by a constant or by a broadcast into a multiplication by the reciprocal, which differs
-  from true division in the last bit for about half of all inputs. Passing full-shape operands through an
-  optimization barrier hides that pattern (at the cost of materializing the divisor), so this twin agrees bit
-  for bit with the kernels.
+  from true division in the last bit for about half of all inputs; passing full-shape operands through an
+  optimization barrier hides that pattern (at the cost of materializing the divisor). On GPUs XLA's float32
+  division itself is not correctly rounded (a third of random quotients are an ulp off), so the quotient is then
+  rounded again from its exact remainder (`_round_quotient`).
   """
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
   a, b = jax.lax.optimization_barrier((a, b))
-  return a / b
+  return _round_quotient(a, b, a / b)
+
+
+def _round_quotient(a: jax.Array, b: jax.Array, q: jax.Array, steps: int = 3) -> jax.Array:
+  """`a / b` correctly rounded, given a float32 quotient `q` within `steps - 1` ulps of it.
+
+  Where a, b or the quotient is zero, subnormal, infinite or NaN, `q` is returned as it is. Otherwise, with
+  `|a| = ma 2^ea` and `|b| = mb 2^eb` (ma, mb in [0.5, 1)) and `qm = |q| 2^(eb - ea)` near `ma / mb` in
+  (0.5, 2), each step computes the remainder `r = ma - qm mb` exactly (Dekker's product with Veltkamp's split:
+  every partial product is exact, so contracting a product and a sum into an FMA changes nothing) and moves
+  `qm` one ulp toward the quotient when `|r|` exceeds half the gap to that neighbour times `mb` (exactly
+  representable, the gap being a power of two). A quotient is never exactly halfway between two floats, so
+  there are no ties. The remainder is exact once `qm` is within an ulp; a first step from farther away still
+  moves the right way.
+  """
+  f32 = jnp.float32
+  tiny = jnp.finfo(f32).tiny
+  ma, ea = jnp.frexp(jnp.abs(a))
+  mb, eb = jnp.frexp(jnp.abs(b))
+  qm = jnp.ldexp(jnp.abs(q), eb - ea)
+
+  def split(x):  # x = hi + lo, each with at most 12 significant bits
+    c = x * f32(4097.0)
+    hi = c - (c - x)
+    return hi, x - hi
+
+  bh, bl = split(mb)
+  for _ in range(steps):
+    qh, ql = split(qm)
+    p = qm * mb
+    r = (ma - p) - ((((qh * bh - p) + qh * bl) + ql * bh) + ql * bl)
+    up, down = jnp.nextafter(qm, f32(4.0)), jnp.nextafter(qm, f32(0.0))
+    qm = jnp.where(r > mb * (up - qm) * f32(0.5), up, jnp.where(-r > mb * (qm - down) * f32(0.5), down, qm))
+  out = jnp.where(jnp.signbit(a) != jnp.signbit(b), -1.0, 1.0).astype(f32) * jnp.ldexp(qm, ea - eb)
+  normal = lambda x: jnp.isfinite(x) & (jnp.abs(x) >= tiny)
+  return jnp.where(normal(a) & normal(b) & normal(q) & normal(out), out, q)
 
 
 def _where_bits(cond: jax.Array, bits: int, x: jax.Array) -> jax.Array:
@@ -573,7 +609,9 @@ def _jax_quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = Non
   bad = jnp.any(~jnp.isfinite(g), axis=2)
   ratio = _true_div(_true_div(amax, jnp.float32(E2M1_MAX)), gs)
   sf = jnp.clip(ratio, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)
-  denom = sf.astype(jnp.float32) * gs
+  # XLA may drop a narrowing conversion followed by a widening one (excess precision, on GPUs); the barrier keeps
+  # the E4M3 rounding of the scale that divides the block.
+  denom = jax.lax.optimization_barrier(sf).astype(jnp.float32) * gs
   v = jnp.where(denom[..., None] > 0, _true_div(g, denom[..., None]), 0.0)
   code = jnp.where(bad[..., None], jnp.uint8(0), _e2m1_encode(v)).reshape(m, k // 2, 2)
   x_q = code[..., 0] | (code[..., 1] << 4)

@@ -408,6 +408,36 @@ def test_mxfp8_errors(call, exc, msg):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ulps", [-2, -1, 0, 1, 2])
+def test_a_quotient_up_to_two_ulps_off_is_rounded_correctly(ulps):
+  """The twin's divisions must be correctly rounded on every backend (XLA's float32 division on GPUs is not):
+  from a quotient `ulps` off, over 2^-60..2^60 operands of both signs, the correction gives NumPy's a / b."""
+  rng = np.random.default_rng(1)
+  n = 1 << 16
+  a = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(F32)
+  b = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(F32)
+  want = a / b
+  off = (want.view(np.int32) + np.int32(ulps)).view(F32)
+  got = np.asarray(jax.jit(quant._round_quotient)(a, b, off))  # pylint: disable=protected-access
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_true_division_keeps_zeros_infinities_and_nans():
+  """Signed zeros, infinities and NaNs as NumPy's. A subnormal quotient is the backend's division (XLA:CPU flushes
+  it to a signed zero), so only its sign and range are checked."""
+  vals = np.array([0.0, -0.0, 1.2e-38, 0.3, -1.5, 6.0, 2688.0, 1e30, 3.4e38, np.inf, -np.inf, np.nan], F32)
+  a, b = (v.ravel() for v in np.meshgrid(vals, vals))
+  with np.errstate(all="ignore"):
+    want = a / b
+  got = np.asarray(jax.jit(quant._true_div)(a, b))  # pylint: disable=protected-access
+  nan, sub = np.isnan(want), (want != 0) & (np.abs(want) < np.finfo(F32).tiny)
+  rest = ~nan & ~sub
+  np.testing.assert_array_equal(got[rest].view(np.uint32), want[rest].view(np.uint32))
+  assert np.isnan(got[nan]).all()
+  assert sub.any() and (np.abs(got[sub]) < np.finfo(F32).tiny).all()
+  np.testing.assert_array_equal(np.signbit(got[sub]), np.signbit(want[sub]))
+
+
 def _nv_input(m=8, k=256, rng_seed=9):
   """Block amaxes within 2^3 of the tensor amax, so every block scale is an E4M3 normal."""
   rng = np.random.default_rng(rng_seed)
@@ -439,7 +469,9 @@ def test_nvfp4_matches_numpy_reference_bit_for_bit(given):
   sfv = np.repeat(np.asarray(sf).astype(F32), 16, axis=1)
   with np.errstate(invalid="ignore"):
     want = (_e2m1_table_decode(q_ref) * sfv) * g_ref
-  np.testing.assert_array_equal(_bits(quant.dequantize_nvfp4(q, sf, g)), _bits(want))
+  got, nan = np.asarray(quant.dequantize_nvfp4(q, sf, g)), np.isnan(want)
+  np.testing.assert_array_equal(_bits(got[~nan]), _bits(want[~nan]))
+  assert nan.any() and np.isnan(got[nan]).all()  # a NaN's payload is the backend's
 
 
 def test_nvfp4_block_scale_divides_by_6_then_by_the_global_scale():

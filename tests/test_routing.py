@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import devices
 from jax_moe_a2a import routing
 from jax_moe_a2a.routing import INVALID_EXPERT, RouterConfig
 
@@ -335,7 +336,7 @@ def test_local_expert_ids_traced_rank_agrees_and_partitions_valid_ids():
 
 
 def test_local_expert_ids_under_shard_map_axis_index():
-  mesh = jax.make_mesh((8,), ("ep",))
+  mesh = jax.make_mesh((8,), ("ep",), devices=devices(8))
   ids = np.tile(np.arange(-1, 17, dtype=np.int32), (8, 1))  # [8, 18]: every id on every rank, plus invalid
   fn = jax.shard_map(lambda i: routing.local_expert_ids(i, jax.lax.axis_index("ep"), 16, 8), mesh=mesh,
                      in_specs=P("ep"), out_specs=P("ep"))
@@ -401,7 +402,7 @@ def test_load_balance_loss_hand_computed():
 
 
 def test_load_balance_loss_and_load_under_shard_map_equal_global():
-  mesh = jax.make_mesh((8,), ("ep",))
+  mesh = jax.make_mesh((8,), ("ep",), devices=devices(8))
   num_tokens, num_experts, top_k = 64, 16, 2
   # Skewed logits so that shards differ: the mean of local losses is not the global loss.
   logits = _logits(17, num_tokens, num_experts) + jnp.linspace(0.0, 3.0, num_tokens)[:, None] * \
