@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import devices
 from jax_moe_a2a import demo
 
 SMALL = ["--experts", "16", "--top-k", "4", "--hidden", "256", "--ffn", "128", "--tokens", "16", "--steps", "1"]
@@ -56,6 +57,7 @@ def test_verdict(calc_diffs, load_equal, loss_diff, ok):
     (["--wire", "fp8_blockwise", "--hidden", "200"], "does not fit wire_format 'fp8_blockwise'"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
+  devices(8)  # the messages are those of eight devices
   assert demo.run(demo.parser().parse_args(SMALL + argv)) == 2
   assert message in capsys.readouterr().err
 

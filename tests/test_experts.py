@@ -2,7 +2,8 @@
 
 With float32 compute the stage differs from the oracle only by float32 rounding: ``max |err| <= 1e-5 *
 max |ref|`` (observed ~1e-7). FP8 weights and FP8 rows are compared with an oracle that uses the same
-dequantized values, so the same bound holds.
+dequantized values, so the same bound holds. Matmuls run at full float32 precision (on GPUs XLA's default
+precision for float32 matmuls is lower).
 """
 
 import jax
@@ -14,6 +15,12 @@ from jax_moe_a2a import experts, quant
 
 HIDDEN, FFN, LOCAL, TOP_K = 256, 128, 3, 4
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def _max_rel(x, y):
