@@ -549,9 +549,9 @@ class Workspace:
     timeout_s: how long a rank waits for its peers before failing.
     mx_alignment: see `layout.dispatch_layout`.
     training: also give each received activation row room for the rows that combine's VJP dispatches
-      (``hidden`` values of combine_dtype), so that VJP takes the one-sided call whatever the wire format; with an
-      FP8 wire and bf16 rows this doubles the activation receive regions. Without it gradients still work: combine's VJP takes
-      the twin's exchange where its rows do not fit the wire's (`fits_dispatch_rows`).
+      (``hidden`` values of combine_dtype), so that VJP takes the one-sided call whatever the wire format; with
+      an FP8 wire and bf16 rows this doubles the activation receive regions. Without it gradients still work:
+      combine's VJP takes the twin's exchange where its rows do not fit the wire's (`fits_dispatch_rows`).
   """
 
   def __init__(self, mesh: jax.sharding.Mesh, *, expert_axis: Hashable, capacity: int, hidden: int, top_k: int,
