@@ -38,7 +38,7 @@ def _report(args: argparse.Namespace) -> int:
       sizes = dict(num_ranks=args.ranks, capacity=args.capacity, hidden=args.hidden, top_k=args.top_k, fmt=fmt,
                    mx_alignment=args.mx_alignment if fmt == layout.MXFP8 else None)
       ws = layout.workspace_layout(**sizes)
-      ws_training = layout.workspace_layout(**sizes, x_row_bytes=max(d.x_bytes_per_token, 2 * args.hidden))
+      ws_training = layout.workspace_layout(**sizes, training=True)
     except ValueError as e:
       print(f"  {fmt:<14} not available: {e}")
       continue

@@ -567,11 +567,9 @@ class Workspace:
     if combine_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
       raise ValueError(f"Workspace: combine_dtype must be bfloat16 or float32, got {combine_dtype}")
     num_ranks = int(np.prod([mesh.shape[a] for a in axes]))
-    wire = layout.dispatch_layout(hidden, fmt, top_k=top_k, mx_alignment=mx_alignment)
-    x_row_bytes = max(wire.x_bytes_per_token, hidden * combine_dtype.itemsize) if training else None
     self.layout = layout.workspace_layout(num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
                                           fmt=fmt, combine_dtype_bytes=combine_dtype.itemsize,
-                                          mx_alignment=mx_alignment, x_row_bytes=x_row_bytes)
+                                          mx_alignment=mx_alignment, training=bool(training))
     self.expert_axis = expert_axis
     self.training = bool(training)
     self.num_ranks = num_ranks

@@ -291,7 +291,8 @@ class WorkspaceLayout:
 
 def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, fmt: str,
                      combine_dtype_bytes: int = 2, num_buffers: int = 2,
-                     mx_alignment: Optional[int] = None, x_row_bytes: Optional[int] = None) -> WorkspaceLayout:
+                     mx_alignment: Optional[int] = None, x_row_bytes: Optional[int] = None,
+                     training: bool = False) -> WorkspaceLayout:
   """Offsets and sizes of every region of one rank's one-sided workspace, computed in one pass.
 
   Receive regions hold [num_ranks, capacity, ...]: a source sends each of its `capacity` tokens to a rank at
@@ -309,15 +310,20 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
     x_row_bytes: room for one received activation row, at least the wire format's x_bytes_per_token (the
       default). More lets the workspace carry wider rows too, e.g. the bf16 cotangent rows that combine's VJP
       dispatches next to an FP8 wire.
+    training: room for the rows that combine's VJP dispatches, `hidden` combine elements, beside the wire's row:
+      x_row_bytes becomes max(wire row, hidden * combine_dtype_bytes). Not with x_row_bytes.
 
   Raises:
-    ValueError: a non-positive size, a bad format (see `dispatch_layout`), or x_row_bytes below the wire's row.
+    ValueError: a non-positive size, a bad format (see `dispatch_layout`), x_row_bytes below the wire's row, or
+      both x_row_bytes and training.
   """
   _check_positive("workspace_layout", num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
                   combine_dtype_bytes=combine_dtype_bytes, num_buffers=num_buffers)
   d = dispatch_layout(hidden, fmt, top_k=top_k, mx_alignment=mx_alignment)
+  if training and x_row_bytes is not None:
+    raise ValueError(f"workspace_layout: give x_row_bytes or training, not both (got x_row_bytes={x_row_bytes})")
   if x_row_bytes is None:
-    x_row_bytes = d.x_bytes_per_token
+    x_row_bytes = max(d.x_bytes_per_token, hidden * combine_dtype_bytes) if training else d.x_bytes_per_token
   _check_positive("workspace_layout", x_row_bytes=x_row_bytes)
   if x_row_bytes < d.x_bytes_per_token:
     raise ValueError(f"workspace_layout: x_row_bytes must be >= the {fmt} row of {d.x_bytes_per_token} bytes, "

@@ -485,3 +485,15 @@ def test_workspace_rows_with_room_for_wider_rows():
     workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise", x_row_bytes=255)
   with pytest.raises(ValueError, match="x_row_bytes must be a positive int, got 0"):
     workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise", x_row_bytes=0)
+
+
+
+def test_a_training_workspace_has_room_for_combine_s_rows():
+  sizes = dict(num_ranks=2, capacity=16, hidden=256, top_k=2)
+  for fmt, combine_bytes, row in (("fp8_blockwise", 2, 512), ("fp8_blockwise", 4, 1024), ("nvfp4", 2, 512),
+                                  ("bf16", 2, 512), ("bf16", 4, 1024)):
+    assert workspace_layout(**sizes, fmt=fmt, combine_dtype_bytes=combine_bytes, training=True).x_row_bytes == row
+    assert workspace_layout(**sizes, fmt=fmt, combine_dtype_bytes=combine_bytes).x_row_bytes == \
+        dispatch_layout(256, fmt, top_k=2).x_bytes_per_token
+  with pytest.raises(ValueError, match=re.escape("give x_row_bytes or training, not both (got x_row_bytes=600)")):
+    workspace_layout(**sizes, fmt="fp8_blockwise", x_row_bytes=600, training=True)
