@@ -114,8 +114,8 @@ def _true_div(a: jax.Array, b: jax.Array) -> jax.Array:
   XLA rewrites a division by a constant or by a broadcast into a multiplication by the reciprocal, which differs
   from true division in the last bit for about half of all inputs; passing full-shape operands through an
   optimization barrier hides that pattern (at the cost of materializing the divisor). On GPUs XLA's float32
-  division itself is not correctly rounded (29% of random quotients measured an ulp off, 0.06% more), so it is then
-  rounded again from its exact remainder (`_round_quotient`).
+  division itself is not correctly rounded (29% of random quotients measured an ulp off, 0.06% more), so the
+  quotient is rounded again from its exact remainder on every backend (`_round_quotient`).
   """
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
   a, b = jax.lax.optimization_barrier((a, b))

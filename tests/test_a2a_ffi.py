@@ -660,7 +660,7 @@ def test_moe_training_gradients_with_a_workspace_equal_the_twin(wire_format, tra
   x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 1024), jnp.float32).astype(jnp.bfloat16), sharding)
   ct = jax.device_put(jax.random.normal(jax.random.key(2), (64 * n, 1024), jnp.float32), sharding)
 
-  def step(ws):  # the loss too: the forward combine stays in the program; with a workspace, the custom calls always
+  def step(ws):  # the loss too: the forward combine stays in the program; with a workspace, impl="ffi" always
     c = cfg if ws is None else dataclasses.replace(cfg, impl="ffi")
     loss = lambda p, x: jnp.sum(moe.moe_apply(p, x, c, mesh, workspace=ws)[0].astype(jnp.float32) * ct)
     return jax.value_and_grad(loss, argnums=(0, 1))

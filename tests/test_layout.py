@@ -487,7 +487,6 @@ def test_workspace_rows_with_room_for_wider_rows():
     workspace_layout(num_ranks=2, capacity=3, hidden=256, top_k=2, fmt="fp8_blockwise", x_row_bytes=0)
 
 
-
 def test_a_training_workspace_has_room_for_combine_s_rows():
   sizes = dict(num_ranks=2, capacity=16, hidden=256, top_k=2)
   for fmt, combine_bytes, row in (("fp8_blockwise", 2, 512), ("fp8_blockwise", 4, 1024), ("nvfp4", 2, 512),

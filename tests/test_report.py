@@ -14,6 +14,6 @@ def test_report_gives_the_workspace_size_for_inference_and_for_training():
   assert line.split()[1:6] == ["256", "8", "32", "32", "328"], line
   sizes = dict(num_ranks=2, capacity=16, hidden=256, top_k=8, fmt="fp8_blockwise")
   inference = layout.workspace_layout(**sizes).total_bytes
-  training = layout.workspace_layout(**sizes, x_row_bytes=2 * 256).total_bytes  # room for bf16 rows
+  training = layout.workspace_layout(**sizes, training=True).total_bytes  # room for bf16 rows
   assert training > inference
   assert f"{inference / 1024:.1f} KiB; {training / 1024:.1f} KiB for training" in line, line
