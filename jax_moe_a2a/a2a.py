@@ -40,8 +40,10 @@ import itertools
 from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import mlir
 
 from jax_moe_a2a import _ffi, layout
 
@@ -539,7 +541,8 @@ class Workspace:
   exchange); `check()` and every later call on it raise, naming the rank(s) that did not arrive.
 
   Args:
-    mesh: the mesh the MoE layer runs on.
+    mesh: the mesh the MoE layer runs on. A call under another mesh must find there the same expert groups, in the
+      same rank order (`check_mesh`, when the call is lowered): the same devices in another order are refused.
     expert_axis: the mesh axis (or tuple of axes) of `dispatch`'s `axis_name`.
     capacity: the largest per-shard token count T of a call.
     hidden: activation width.
@@ -575,10 +578,9 @@ class Workspace:
     self.num_ranks = num_ranks
     self.combine_dtype = combine_dtype
     self.timeout_s = float(timeout_s)
-    # Groups: one per instance of the expert axes; a device's rank is its index along them (major to minor).
-    names = list(mesh.axis_names)
-    order = [names.index(a) for a in names if a not in axes] + [names.index(a) for a in axes]
-    groups = np.transpose(mesh.devices, order).reshape(-1, num_ranks)
+    groups = _expert_groups(mesh, axes)
+    # The device ids of each group in rank order: what a call's mesh is checked against (check_mesh).
+    self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(int(d.id) for d in g) for g in groups)
     platforms = {d.platform for d in groups.flat}
     if len(platforms) != 1:
       raise ValueError(f"Workspace: the mesh must hold devices of one platform, got {sorted(platforms)}")
@@ -691,6 +693,26 @@ class Workspace:
 
   # Trace-time checks of a call against the layout
 
+  def check_mesh(self, op: str, mesh: Any, axis_name: Hashable) -> None:
+    """Raises ValueError unless every expert group of ``mesh`` over ``axis_name`` (the devices that one `dispatch`
+    exchanges between, in rank order: their index along the axis) is one of this workspace's groups, ranks included.
+
+    The handlers take a device's rank and peers from the workspace, so a call under a mesh that orders the devices
+    otherwise (reversed, transposed) would exchange with the wrong peers; where the groups agree, the order of the
+    other axes does not matter.
+    """
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise ValueError(f"{op}: the calling shard_map's mesh must be a jax.sharding.Mesh (its device order is checked "
+                       f"against the workspace's), got {type(mesh).__name__}; pass mesh= to shard_map or use "
+                       "jax.set_mesh")
+    if any(a not in mesh.axis_names for a in axes):
+      raise ValueError(f"{op}: axis_name must name axes of the mesh {tuple(mesh.axis_names)}, got {axis_name!r}")
+    calling = tuple(tuple(int(d.id) for d in g) for g in _expert_groups(mesh, axes))
+    if not set(calling) <= set(self.groups):
+      raise ValueError(f"{op}: the mesh's expert groups over {axis_name!r} (device ids in rank order) must be groups of "
+                       f"the workspace's mesh, {_groups_text(self.groups)}, got {_groups_text(calling)}")
+
   def _dispatch_row_problems(self, x: Any) -> list[str]:
     """What keeps ``x`` ([T, ...], an array or its shape and dtype) out of the dispatch regions: T over the
     capacity, a row over the room of a received row (layout.x_row_bytes)."""
@@ -764,6 +786,19 @@ class Workspace:
     return {k: np.int64(v) for k, v in common.items()}
 
 
+def _expert_groups(mesh: jax.sharding.Mesh, axes: tuple) -> np.ndarray:
+  """``[num_groups, num_ranks]`` devices: one group per instance of the expert axes, a device's rank its index along
+  them (major to minor, in the order of ``axes``), groups in the row-major order of the other axes."""
+  names = list(mesh.axis_names)
+  order = [names.index(a) for a in names if a not in axes] + [names.index(a) for a in axes]
+  num_ranks = int(np.prod([mesh.shape[a] for a in axes]))
+  return np.transpose(mesh.devices, order).reshape(-1, num_ranks)
+
+
+def _groups_text(groups: tuple[tuple[int, ...], ...]) -> str:
+  return "[" + ", ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + "]"
+
+
 def _row_bytes(a: Any) -> int:
   """Bytes of one row of ``a`` ([T, ...], an array or its shape and dtype)."""
   return int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize
@@ -822,6 +857,28 @@ def _nothing_before() -> jax.Array:
   return jnp.zeros((1,), jnp.uint8)
 
 
+# Workspace.check_mesh of a call's mesh, run when the call is lowered: inside shard_map, tracing sees the mesh's axis
+# names and sizes but not its devices; the lowering context holds the mesh itself. An identity on the call's `after`
+# operand, so it lives exactly as long as the call does.
+_mesh_check_p = jax.extend.core.Primitive("jax_moe_a2a_mesh_check")
+_mesh_check_p.def_impl(lambda after, **_: after)
+_mesh_check_p.def_abstract_eval(lambda after, **_: after)
+
+
+def _mesh_check_lowering(ctx, after, *, workspace: "Workspace", axis_name: Hashable, op: str):
+  workspace.check_mesh(op, getattr(ctx.module_context.axis_context, "mesh", None), axis_name)
+  return [after]
+
+
+mlir.register_lowering(_mesh_check_p, _mesh_check_lowering)
+
+
+def _checked_after(op: str, st: Any, after: Optional[jax.Array]) -> jax.Array:
+  """The `after` operand of a call on ``st.workspace``, with the check of the calling mesh attached."""
+  after = _nothing_before() if after is None else after
+  return _mesh_check_p.bind(after, workspace=st.workspace, axis_name=st.axis_name, op=op)
+
+
 def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, after=None):
   """The custom call; it starts after `after` (an array it does not read) is computed."""
   num_ranks, num_tokens = st.num_ranks, x.shape[0]
@@ -836,8 +893,7 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, 
   # Not declared side-effecting: every rank runs the same compiled program, so dead-code elimination and CSE treat
   # all ranks alike and their calls stay matched; an effect would also take every jitted call off JAX's C++
   # dispatch path (measured: ~80 us of host time per call, more than the whole call takes on the GPUs).
-  after = _nothing_before() if after is None else after
-  outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, after,
+  outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, _checked_after("dispatch", st, after),
                        num_experts=np.int64(st.num_experts), site=_site(),
                        **st.workspace.attrs("dispatch", x_row_bytes=_row_bytes(x), x_sf_row_bytes=_row_bytes(sf)))
   recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, (x, topk_ids), st.axis_name)
@@ -853,6 +909,7 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, 
 def _ffi_combine(st: _CombineStatic, expert_out, send_slot, recv_counts):
   out = jax.ShapeDtypeStruct((send_slot.shape[0], expert_out.shape[-1]), st.out_dtype)
   # Not side-effecting: see _ffi_dispatch_forward.
-  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, _nothing_before(), site=_site(),
+  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, _checked_after("combine", st, None),
+                    site=_site(),
                     **st.workspace.attrs("combine"))
   return _varying(y, (expert_out, send_slot), st.axis_name)

@@ -550,6 +550,8 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[a2a.Workspace]):
+  if isinstance(workspace, a2a.Workspace):
+    workspace.check_mesh("moe_apply", mesh, config.expert_axis)  # the calls check it too, when lowered
   tok = config.token_axes or None
   x_spec = P(tok, *([None] * (x.ndim - 1)))
   specs = param_specs(config)
@@ -579,8 +581,9 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       `config.token_axes` (``P(token_axes, None)``), replicated over the other axes (tp_axis in particular).
     config: the layer.
     mesh: a mesh holding every axis the config names.
-    workspace: an `a2a.Workspace` for this mesh's expert axis (see `make_workspace`): dispatch and combine then
-      run as one-sided custom calls (their gradients on the all_to_all twin). None: the twin throughout.
+    workspace: an `a2a.Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
+      of the same devices in another order, is refused: `a2a.Workspace.check_mesh`): dispatch and combine then run
+      as one-sided custom calls. None: the twin throughout.
     gemm_impl: when given, replaces `config.gemm_impl` (e.g. "ffi": the routed experts on the FP8 grouped GEMM
       custom call).
 
@@ -592,7 +595,8 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   Raises:
     TypeError, ValueError: at trace time, for a config that is not a MoEConfig, axes missing from the mesh,
       num_experts not divisible by the expert axis size, a token count not divisible by the token sharding (or,
-      under sequence parallelism, a shard's tokens by the tp size), and params or x of the wrong shape or dtype.
+      under sequence parallelism, a shard's tokens by the tp size), params or x of the wrong shape or dtype, and a
+      workspace whose expert groups are not this mesh's.
   """
   op = "moe_apply"
   if not isinstance(config, MoEConfig):
