@@ -21,6 +21,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jax_moe_a2a import grouped_gemm, quant
 
 
@@ -237,6 +239,111 @@ def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWe
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The bf16 expert MLP on the grouped GEMM
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+  """silu(gate) * up of gate/up rows h [..., 2 ffn], in float32."""
+  ffn = h.shape[-1] // 2
+  gate, up = h[..., :ffn].astype(jnp.float32), h[..., ffn:].astype(jnp.float32)
+  return jax.nn.silu(gate) * up
+
+
+def _swiglu_bwd(h: jax.Array, d_act: jax.Array) -> jax.Array:
+  """The cotangent of h [..., 2 ffn] from that of silu(gate) * up, float32."""
+  ffn = h.shape[-1] // 2
+  gate, up = h[..., :ffn].astype(jnp.float32), h[..., ffn:].astype(jnp.float32)
+  d_act = d_act.astype(jnp.float32)
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  return jnp.concatenate([d_act * up * (sig + silu * (1.0 - sig)), d_act * silu], axis=-1)
+
+
+def _mlp_backward_bf16(impl, ct, x, h, group_sizes, w_gate_up, w_down):
+  """Cotangents (dx, dw_gate_up, dw_down) of the grouped SwiGLU MLP on bfloat16 operands.
+
+  Four grouped GEMMs: d_act = ct @ w_down and dx = dh @ w_gate_up (data gradients, weights read in place), and
+  dw_down = ct^T act, dw_gate_up = dh^T x (weight gradients contracted over each expert's rows, float32).
+  """
+  bf16 = jnp.bfloat16
+  ct = ct.astype(bf16)
+  d_act = grouped_gemm.grouped_gemm_bf16(ct, w_down, group_sizes, b_layout="kn", impl=impl)
+  act = _swiglu(h).astype(bf16)  # recomputed from the saved gate/up rows
+  dw_down = grouped_gemm.grouped_gemm_bf16_wgrad(ct, act, group_sizes, impl=impl)
+  dh = _swiglu_bwd(h, d_act).astype(bf16)
+  dx = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, group_sizes, b_layout="kn", impl=impl)
+  dw_gate_up = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x, group_sizes, impl=impl)
+  return dx, dw_gate_up, dw_down
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bf16MlpStatic:
+  impl: str
+  dtypes: tuple[Any, Any, Any]  # of x, w_gate_up and w_down: the dtypes of their cotangents
+
+
+def _mlp_bf16_fwd(st: _Bf16MlpStatic, x, group_sizes, w_gate_up, w_down):
+  impl, bf16 = st.impl, jnp.bfloat16
+  xb, gu, dn = x.astype(bf16), w_gate_up.astype(bf16), w_down.astype(bf16)
+  h = grouped_gemm.grouped_gemm_bf16(xb, gu, group_sizes, b_layout="nk", impl=impl)  # [M, 2 ffn]
+  h = checkpoint_name(h, "expert_gate_up")
+  y = grouped_gemm.grouped_gemm_bf16(_swiglu(h).astype(bf16), dn, group_sizes, b_layout="nk", impl=impl)
+  return y, (xb, h, group_sizes, gu, dn)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mlp_bf16(st, x, group_sizes, w_gate_up, w_down):
+  return _mlp_bf16_fwd(st, x, group_sizes, w_gate_up, w_down)[0]
+
+
+def _mlp_bf16_bwd(st: _Bf16MlpStatic, res, ct):
+  xb, h, group_sizes, gu, dn = res
+  grads = _mlp_backward_bf16(st.impl, ct, xb, h, group_sizes, gu, dn)
+  dx, dw_gu, dw_dn = (g.astype(dt) for g, dt in zip(grads, st.dtypes))
+  return dx, None, dw_gu, dw_dn
+
+
+_mlp_bf16.defvjp(_mlp_bf16_fwd, _mlp_bf16_bwd)
+
+
+def swiglu_mlp_bf16(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
+                    impl: str = "auto") -> jax.Array:
+  """The grouped SwiGLU MLP in bfloat16 on `grouped_gemm.grouped_gemm_bf16`: gate/up -> SwiGLU -> down.
+
+  Operands are rounded to bfloat16 (float32 weights are cast, FP8 weights dequantized), products accumulate in
+  float32, the gate/up output and the activation are rounded to bfloat16 (as `swiglu_mlp_reference` with
+  compute_dtype bfloat16). The gradient (a custom VJP) runs on four more grouped GEMMs: the data gradients read
+  the weights in place, the weight gradients contract over each expert's rows in float32 and come back in the
+  weights' dtype. Saved for the backward pass: x and the gate/up rows, bfloat16 (``2 * (hidden + 2 * ffn)`` bytes
+  per row).
+
+  Args:
+    x: [M, hidden] rows sorted by expert (any float dtype; its cotangent has its dtype).
+    group_sizes: int32 [G] rows per expert (clamped as in `grouped_gemm`); rows no expert owns give 0.
+    weights: the G experts' `ExpertWeights`; hidden and ffn multiples of 8.
+    impl: "auto", "ffi" or "reference", for the grouped GEMMs.
+
+  Returns:
+    bfloat16 [M, hidden].
+  """
+  op = "swiglu_mlp_bf16"
+  hidden = x.shape[-1]
+  _, ffn = _check_weights(op, weights, hidden)
+  if x.ndim != 2:
+    raise ValueError(f"{op}: x must be [M, hidden], got shape {tuple(x.shape)}")
+  for name, v in (("hidden", hidden), ("ffn", ffn)):
+    if v % 8 or v == 0:
+      raise ValueError(f"{op}: {name} must be a positive multiple of 8, got {v}")
+  if weights.is_fp8:
+    w_gate_up, w_down = weights.dequantized(jnp.bfloat16)
+  else:
+    w_gate_up, w_down = weights.w_gate_up, weights.w_down
+  st = _Bf16MlpStatic(impl=impl, dtypes=tuple(jnp.dtype(v.dtype) for v in (x, w_gate_up, w_down)))
+  return _mlp_bf16(st, x, group_sizes.astype(jnp.int32), w_gate_up, w_down)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The FP8 expert MLP on the grouped GEMM
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -279,10 +386,11 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
   a, a_sf, gu, gu_sf, dn, dn_sf = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
   ffn = dn.shape[-1]
   h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
-  act = jax.nn.silu(h[..., :ffn].astype(jnp.float32)) * h[..., ffn:].astype(jnp.float32)
-  q, q_sf = _quantize_rows(act, st.impl)
+  h = checkpoint_name(h, "expert_gate_up")
+  del ffn
+  q, q_sf = _quantize_rows(_swiglu(h), st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
-  return y, (a, a_sf, group_sizes, gu, gu_sf, dn, dn_sf)
+  return y, (a, a_sf, h, group_sizes, gu, gu_sf, dn, dn_sf)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -291,21 +399,20 @@ def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_s
 
 
 def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
-  a, a_sf, group_sizes, gu, gu_sf, dn, dn_sf = res
+  a, a_sf, h, group_sizes, gu, gu_sf, dn, dn_sf = res
   bf16 = jnp.bfloat16
   hidden = a.shape[-1]
-  # Straight-through: the bfloat16 MLP's gradient at the quantized operands.
+  # Straight-through: the bfloat16 MLP's gradient at the quantized operands and the forward's gate/up rows.
   x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
                                      dtype=bf16).reshape(a.shape)
   w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
   w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
   if a.ndim == 3:
     mlp = lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd)
+    _, vjp = jax.vjp(mlp, x, w_gate_up, w_down)
+    dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
   else:
-    _, size = grouped_gemm.owned_rows(group_sizes, a.shape[0], masked=False)
-    mlp = lambda x, wg, wd: swiglu_mlp_reference(x, size, ExpertWeights(wg, wd), compute_dtype=bf16)
-  _, vjp = jax.vjp(mlp, x, w_gate_up, w_down)
-  dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
+    dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down)
   dx = None if st.x_dtype is None else dx.astype(st.x_dtype)
   if st.w_dtype is None:
     dw_gu = dw_dn = None
@@ -327,8 +434,9 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
   blocks); FP8 ones are used as they are.
 
   Gradients (a custom VJP) are bfloat16 and straight-through: the backward pass is that of the bfloat16 MLP
-  (`swiglu_mlp_reference`, or its masked twin) evaluated at the dequantized FP8 operands, so quantization error
-  enters the gradient only through where it is evaluated. Float x and float weights get cotangents in their
+  evaluated at the dequantized FP8 operands and the forward's gate/up rows, on the bf16 grouped GEMMs of
+  `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
+  it is evaluated. Float x and float weights get cotangents in their
   own dtypes; FP8 inputs, scales and group_sizes get none.
 
   Args:
@@ -369,7 +477,7 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
                  weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None, out_dtype=jnp.bfloat16,
                  compute_dtype=jnp.bfloat16, method: str = "auto",
-                 gemm_impl: Optional[str] = None) -> jax.Array:
+                 gemm_impl: Optional[str] = None, impl: str = "auto") -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
@@ -384,11 +492,18 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     recv_x_sf: for FP8 rows, their [num_ranks, capacity, hidden / 128] float32 1x128 scales.
     out_dtype: dtype of the returned payload.
     compute_dtype: matmul operand dtype.
-    method: grouped matmul implementation of the `compute_dtype` path, see `swiglu_mlp_reference`.
+    method: grouped matmul implementation of the `compute_dtype` path: "auto" runs bfloat16 compute on the bf16
+      grouped GEMMs (`swiglu_mlp_bf16`) and other dtypes on `swiglu_mlp_reference`; "ragged_dot" and "tiled"
+      choose `swiglu_mlp_reference`'s method.
     gemm_impl: None for the `compute_dtype` path; "auto", "ffi" or "reference" to run the experts in FP8 with
       `swiglu_mlp_fp8`: FP8 rows (with `recv_x_sf`) are used as they arrived, float rows are quantized 1x128
       (lossless for rows that arrived in fp8_blockwise and were decoded exactly, so both give the same result);
       float weights are quantized 128x128.
+    impl: "auto", "ffi" or "reference", for the bf16 grouped GEMMs.
+
+  Rows are permuted in their own dtype (decoded to compute_dtype, or FP8 codes with their scales), the expert
+  outputs stay bfloat16 until the weighted sum, and both directions are gathers (the gradients too), so no
+  [rows * top_k, hidden] float32 tensor is made.
 
   Returns:
     [num_ranks, capacity, hidden] `out_dtype`: per row, sum_k weight_k * expert_k(x).
@@ -414,29 +529,125 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   fp8_rows = recv_x_sf is not None and gemm_impl is not None
   sf_rows = None if recv_x_sf is None else recv_x_sf.reshape(num_ranks * capacity, -1)
   if recv_x_sf is not None and not fp8_rows:
-    rows = quant.dequantize_fp8_blockwise(rows, sf_rows, dtype=jnp.float32)
+    rows = quant.dequantize_fp8_blockwise(rows, sf_rows, dtype=compute_dtype)
   elif recv_x.dtype == jnp.float8_e4m3fn and recv_x_sf is None:
     raise ValueError(f"{op}: float8_e4m3fn recv_x needs recv_x_sf (its 1x128 scales), got None")
-  ids = recv_topk_ids.reshape(-1)
-  valid = (ids >= 0) & (ids < num_local_experts)
 
   with jax.named_scope("permute"):
-    key = jnp.where(valid, ids, num_local_experts)
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
-    x_sorted = rows[order // top_k]
-    sf_sorted = sf_rows[order // top_k] if fp8_rows else None
-  with jax.named_scope("experts"):
-    if gemm_impl is None:
-      y_sorted = swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
+    perm = _permutation(recv_topk_ids.reshape(-1, top_k), num_local_experts)
+    if fp8_rows:
+      x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
     else:
-      y_sorted = swiglu_mlp_fp8(x_sorted, group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl)
-      y_sorted = y_sorted.astype(jnp.float32)
+      x_sorted, sf_sorted = _expand_rows(rows, perm), None
+    x_sorted = checkpoint_name(x_sorted, "expert_rows")
+  with jax.named_scope("experts"):
+    y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
+                        method=method, gemm_impl=gemm_impl, impl=impl)
   with jax.named_scope("unpermute"):
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_ranks * capacity, top_k, hidden)
-    w = jnp.where(valid, recv_topk_weights.reshape(-1), 0.0).reshape(-1, top_k)
-    v = valid.reshape(-1, top_k)
-    out = jnp.zeros((num_ranks * capacity, hidden), jnp.float32)
-    for k in range(top_k):  # fixed float32 summation order over k
-      out = out + jnp.where(v[:, k:k + 1], y[:, k] * w[:, k:k + 1], 0.0)
+    out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm)
   return out.reshape(num_ranks, capacity, hidden).astype(out_dtype)
+
+
+def _run_mlp(x_sorted, sf_sorted, group_sizes, weights, *, compute_dtype, method, gemm_impl, impl):
+  """The grouped MLP of the stage: FP8 (gemm_impl), bf16 grouped GEMMs (bf16 compute), or the twin's matmuls."""
+  if gemm_impl is not None:
+    return swiglu_mlp_fp8(x_sorted, group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl)
+  if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and method == "auto" and x_sorted.shape[-1] % 8 == 0 \
+      and weights.w_down.shape[-1] % 8 == 0:
+    return swiglu_mlp_bf16(x_sorted, group_sizes, weights, impl=impl)
+  return swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Permute and un-permute: gathers both ways (no scatter-add in either pass)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Permutation:
+  """Assignments (row, k) of valid local experts, sorted by expert (stably: by row, then k, within one).
+
+  Attributes:
+    order: [A] int32, A = rows * top_k: flat assignment index (row * top_k + k) of each sorted position; the
+      assignments of no local expert come last.
+    pos: [A] int32, the inverse of order: sorted position of each flat assignment.
+    src_row: [A] int32, ``order // top_k``: the row each sorted position reads.
+    valid: [rows, top_k] bool, whether the assignment has a local expert.
+    group_sizes: [num_local_experts] int32, assignments per expert.
+  """
+
+  order: jax.Array
+  pos: jax.Array
+  src_row: jax.Array
+  valid: jax.Array
+  group_sizes: jax.Array
+
+
+def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
+  top_k = ids.shape[-1]
+  valid = (ids >= 0) & (ids < num_local_experts)
+  key = jnp.where(valid, ids, num_local_experts).reshape(-1)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  num = order.shape[0]
+  pos = jnp.zeros((num,), jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32), unique_indices=True)
+  group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
+  return _Permutation(order=order, pos=pos, src_row=order // top_k, valid=valid, group_sizes=group_sizes)
+
+
+@jax.custom_vjp
+def _expand_rows(rows: jax.Array, perm: _Permutation) -> jax.Array:
+  """``rows[perm.src_row]``: each row once per sorted assignment, [A, hidden]."""
+  return rows[perm.src_row]
+
+
+def _expand_rows_fwd(rows, perm):
+  return rows[perm.src_row], perm
+
+
+def _expand_rows_bwd(perm, ct):
+  # Each row's cotangent is the sum over its valid assignments, gathered by position, in ascending k (float32).
+  top_k = perm.valid.shape[-1]
+  ct_k = ct[perm.pos].reshape(-1, top_k, ct.shape[-1])
+  d_rows = jnp.zeros(ct_k[:, 0].shape, jnp.float32)
+  for k in range(top_k):
+    d_rows = d_rows + jnp.where(perm.valid[:, k:k + 1], ct_k[:, k].astype(jnp.float32), 0.0)
+  return d_rows.astype(ct.dtype), None
+
+
+_expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
+def _weighted_sum(y_k, weights, valid):
+  """Per row, the sum over k of weight_k * y_k, float32 in ascending k; assignments of no local expert add 0."""
+  out = jnp.zeros(y_k[:, 0].shape, jnp.float32)
+  for k in range(y_k.shape[1]):
+    out = out + jnp.where(valid[:, k:k + 1], y_k[:, k].astype(jnp.float32) * weights[:, k:k + 1], 0.0)
+  return out
+
+
+@jax.custom_vjp
+def _reduce_rows(y_sorted: jax.Array, weights: jax.Array, perm: _Permutation) -> jax.Array:
+  """Per row, sum_k weight_k * y_sorted[pos[row, k]] in float32: [rows, hidden]."""
+  top_k = perm.valid.shape[-1]
+  return _weighted_sum(y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1]), weights, perm.valid)
+
+
+def _reduce_rows_fwd(y_sorted, weights, perm):
+  return _reduce_rows(y_sorted, weights, perm), (y_sorted, weights, perm)
+
+
+def _reduce_rows_bwd(res, ct):
+  y_sorted, weights, perm = res
+  top_k = perm.valid.shape[-1]
+  valid_flat = perm.valid.reshape(-1)
+  # d y_sorted[i] = weight * ct[row] of the assignment at sorted position i (a gather by order).
+  w_sorted = jnp.where(valid_flat, weights.reshape(-1), 0.0)[perm.order]
+  d_y = (ct[perm.src_row] * w_sorted[:, None]).astype(y_sorted.dtype)
+  # d weight[row, k] = <y of the assignment, ct[row]>.
+  y_k = y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1]).astype(jnp.float32)
+  d_w = jnp.where(perm.valid, jnp.einsum("rkh,rh->rk", y_k, ct.astype(jnp.float32)), 0.0)
+  return d_y, d_w.astype(weights.dtype), None
+
+
+_reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)

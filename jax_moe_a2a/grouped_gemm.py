@@ -1,4 +1,4 @@
-"""FP8 block-scaled grouped GEMM: ``d[g] = a[g] @ b[g].T`` per expert group, E4M3 operands, bfloat16 output.
+"""Grouped expert GEMMs. FP8 block-scaled: ``d[g] = a[g] @ b[g].T`` per expert group, E4M3 operands, bfloat16 output.
 
 Activations are E4M3 with one float32 scale per 1x128 group of a row (`quant.quantize_fp8_blockwise`), weights are
 E4M3 with one float32 scale per 128x128 block (`quant.quantize_fp8_weight`), in the "NT" layout of
@@ -28,10 +28,12 @@ expert MLP built on it.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_moe_a2a import _ffi, quant
 
@@ -147,3 +149,145 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes, masked=masked, num_groups=num_groups, n=n)
   return _jax_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bf16 grouped GEMMs: the expert MLP's forward, data-gradient and weight-gradient products
+# ----------------------------------------------------------------------------------------------------------------
+
+# Layouts of `b` in `grouped_gemm_bf16`: "nk" is [G, N, K] (K contiguous: d = a @ b[g].T, the forward product
+# with the weights of `experts.ExpertWeights`), "kn" is [G, K, N] (N contiguous: d = a @ b[g], the data gradient
+# with the same weights, read without a transposed copy).
+B_LAYOUTS = ("nk", "kn")
+_MODE = {"nk": 0, "kn": 1, "wgrad": 2}  # the custom call's `mode` attribute (grouped_gemm.cc)
+
+
+def _check_bf16(op: str, name: str, v: Any, ndim: int) -> None:
+  if v is None or not hasattr(v, "dtype"):
+    raise TypeError(f"{op}: {name} must be a bfloat16 array, got {type(v).__name__}")
+  if jnp.dtype(v.dtype) != jnp.dtype(jnp.bfloat16):
+    raise TypeError(f"{op}: {name} must be bfloat16, got {jnp.dtype(v.dtype).name}")
+  if v.ndim != ndim:
+    raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {tuple(v.shape)}")
+
+
+def _check_group_sizes(op: str, group_sizes: Any, num_groups: Optional[int]) -> int:
+  if not hasattr(group_sizes, "dtype") or jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
+    raise TypeError(f"{op}: group_sizes must be an int32 array [G], got "
+                    f"{getattr(getattr(group_sizes, 'dtype', None), 'name', type(group_sizes).__name__)}")
+  if group_sizes.ndim != 1 or not 1 <= group_sizes.shape[0] <= MAX_GROUPS:
+    raise ValueError(f"{op}: group_sizes must be [G] with 1 <= G <= {MAX_GROUPS}, got shape {tuple(group_sizes.shape)}")
+  if num_groups is not None and group_sizes.shape[0] != num_groups:
+    raise ValueError(f"{op}: group_sizes must be [G] = ({num_groups},) (G from b), got shape "
+                     f"{tuple(group_sizes.shape)}")
+  return group_sizes.shape[0]
+
+
+def _check_width(op: str, name: str, v: int) -> None:
+  if v <= 0 or v % 8:
+    raise ValueError(f"{op}: {name} must be a positive multiple of 8 (16-byte rows), got {v}")
+
+
+def _bf16_scratch(num_groups: int, mode: int) -> jax.ShapeDtypeStruct:
+  nbytes = 0
+  if jax.default_backend() == "gpu":
+    nbytes = int(_ffi.extension().grouped_gemm_scratch_bytes(int(num_groups), int(mode)))
+  return jax.ShapeDtypeStruct((nbytes,), jnp.uint8)
+
+
+@functools.partial(jax.jit, static_argnames=("b_layout",))
+def _jax_grouped_gemm_bf16(a, b, group_sizes, *, b_layout):
+  """Pure-JAX twin of `grouped_gemm_bf16`: float32 products at HIGHEST precision, one bfloat16 rounding."""
+  rows = a.shape[0]
+  _, size = owned_rows(group_sizes, rows, masked=False)
+  rhs = jnp.swapaxes(b, 1, 2) if b_layout == "nk" else b  # [G, K, N]
+  y = jax.lax.ragged_dot(a, rhs, size, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  live = jnp.arange(rows) < jnp.sum(size)
+  return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16)
+
+
+@jax.jit
+def _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes):
+  """Pure-JAX twin of `grouped_gemm_bf16_wgrad`: one float32 product per group over its rows."""
+  rows = a.shape[0]
+  _, size = owned_rows(group_sizes, rows, masked=False)
+  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  live = (jnp.arange(rows) < jnp.sum(size))[:, None]
+  return jax.lax.ragged_dot_general(jnp.where(live, a, 0), jnp.where(live, b, 0), size, dims,
+                                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_layout: str = "nk",
+                      impl: str = "auto") -> jax.Array:
+  """Grouped bfloat16 GEMM over rows sorted by group: ``a[rows of g] @ b[g].T`` ("nk") or ``@ b[g]`` ("kn").
+
+  Rows are grouped as in the contiguous FP8 layout (module docstring): group g owns the ``group_sizes[g]`` rows
+  after those of groups 0..g-1, sizes clamped to >= 0 and to the rows that are left; rows no group owns give 0.
+  On GPUs the custom call ``jax_moe_a2a_grouped_gemm_bf16`` runs CUTLASS's SM90 warp-specialized grouped GEMM
+  (TMA, wgmma, float32 accumulation) with the group sizes on the device; the "kn" layout is read in place
+  (no transposed copy of b). The twin is `jax.lax.ragged_dot` at HIGHEST precision.
+
+  Args:
+    a: bfloat16 [M, K], K a positive multiple of 8.
+    b: bfloat16 weights, [G, N, K] for ``b_layout="nk"`` or [G, K, N] for ``"kn"``; N a positive multiple of 8.
+    group_sizes: int32 [G] rows per group (run-time values).
+    b_layout: "nk" or "kn".
+    impl: "auto", "ffi" or "reference".
+
+  Returns:
+    bfloat16 [M, N]: the float32 product rounded once.
+  """
+  op = "grouped_gemm_bf16"
+  if b_layout not in B_LAYOUTS:
+    raise ValueError(f"{op}: b_layout must be one of {', '.join(B_LAYOUTS)}, got {b_layout!r}")
+  _check_bf16(op, "a", a, 2)
+  _check_bf16(op, "b", b, 3)
+  rows, k = a.shape
+  num_groups = _check_group_sizes(op, group_sizes, b.shape[0])
+  n, bk = (b.shape[1], b.shape[2]) if b_layout == "nk" else (b.shape[2], b.shape[1])
+  if bk != k:
+    dims = "[G, N, K]" if b_layout == "nk" else "[G, K, N]"
+    raise ValueError(f"{op}: b must be {dims} with K = {k} (from a) for b_layout={b_layout!r}, got shape "
+                     f"{tuple(b.shape)}")
+  _check_width(op, "K", k)
+  _check_width(op, "N", n)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    mode = _MODE[b_layout]
+    out = (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), _bf16_scratch(num_groups, mode))
+    return _ffi.ffi_call("grouped_gemm_bf16", out, a, b, group_sizes, mode=np.int32(mode))[0]
+  return _jax_grouped_gemm_bf16(a, b, group_sizes, b_layout=b_layout)
+
+
+def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *,
+                            impl: str = "auto") -> jax.Array:
+  """Per group, ``a[rows of g].T @ b[rows of g]``: the weight gradient of a grouped GEMM, in float32.
+
+  The contraction runs over each group's rows (grouped as in `grouped_gemm_bf16`), so it differs per group; a group
+  that owns no rows gives zeros. For the forward ``y = grouped_gemm_bf16(x, w, ...)`` with w [G, N, K], the
+  gradient of w is ``grouped_gemm_bf16_wgrad(dy, x, ...)`` [G, N, K].
+
+  Args:
+    a: bfloat16 [M, K] (e.g. the output cotangent dy), K a positive multiple of 8.
+    b: bfloat16 [M, N] (e.g. the forward input x), N a positive multiple of 8.
+    group_sizes: int32 [G] rows per group.
+    impl: "auto", "ffi" or "reference".
+
+  Returns:
+    float32 [G, K, N].
+  """
+  op = "grouped_gemm_bf16_wgrad"
+  _check_bf16(op, "a", a, 2)
+  _check_bf16(op, "b", b, 2)
+  if b.shape[0] != a.shape[0]:
+    raise ValueError(f"{op}: b must be [M, N] with M = {a.shape[0]} (from a), got shape {tuple(b.shape)}")
+  rows, k = a.shape
+  n = b.shape[1]
+  num_groups = _check_group_sizes(op, group_sizes, None)
+  _check_width(op, "K", k)
+  _check_width(op, "N", n)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    mode = _MODE["wgrad"]
+    out = (jax.ShapeDtypeStruct((num_groups, k, n), jnp.float32), _bf16_scratch(num_groups, mode))
+    return _ffi.ffi_call("grouped_gemm_bf16", out, a, b, group_sizes, mode=np.int32(mode))[0]
+  return _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes)

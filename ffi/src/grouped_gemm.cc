@@ -1,5 +1,7 @@
-// grouped_gemm.cc -- handlers of jax_moe_a2a_grouped_gemm_fp8 (CPU, and CUDA when built with it).
+// grouped_gemm.cc -- handlers of jax_moe_a2a_grouped_gemm_fp8 and jax_moe_a2a_grouped_gemm_bf16 (CPU, and CUDA when
+// built with it).
 //
+// ── grouped_gemm_fp8 ──
 // D_g = A_g · B_gᵀ for every group g, A in E4M3 with one FP32 scale per 1x128 group of a row, B in E4M3 with one
 // FP32 scale per 128x128 block, D in bfloat16 (float32 accumulation).
 //
@@ -11,16 +13,26 @@
 //   always:     b [G, N, K], b_sf [G, N/128, K/128], group_sizes [G] int32; K % 128 == 0, N % 128 == 0.
 // Rows of d that no group owns are zero. `scratch` (uint8) is device scratch for the CUDA kernel, sized by
 // grouped_gemm_scratch_bytes(G) in the Python module; the CPU handler ignores it.
+//
+// ── grouped_gemm_bf16 ──
+// bfloat16 operands, float32 accumulation, in three modes (attribute `mode`, grouped_gemm_bf16_kernels.cuh):
+//   0 (NT): a [M, K], b [G, N, K], d [M, N] bf16: d_g = a_g · b_gᵀ   (the forward product)
+//   1 (NN): a [M, K], b [G, K, N], d [M, N] bf16: d_g = a_g · b_g    (the data gradient)
+//   2 (TN): a [M, K], b [M, N],    d [G, K, N] f32: d[g] = a_gᵀ · b_g (the weight gradient)
+// Rows of a (and of b in mode 2) are grouped as in the contiguous FP8 layout; rows of d no group owns, and d[g] of a
+// group that owns no rows, are zero. K and N must be positive multiples of 8 (16-byte rows).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
+#include "grouped_gemm_bf16_kernels.cuh"
 #include "grouped_gemm_kernels.cuh"
 #endif
 
@@ -29,6 +41,7 @@ namespace jax_moe_a2a {
 namespace {
 
 constexpr char kOp[] = "jax_moe_a2a_grouped_gemm_fp8";
+constexpr char kOpBf16[] = "jax_moe_a2a_grouped_gemm_bf16";
 constexpr int64_t kBlock = 128;
 constexpr int64_t kMaxGroups = 65535;  // the zero-fill kernel's grid.y in the masked layout
 
@@ -235,10 +248,205 @@ ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
 }
 #endif
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// grouped_gemm_bf16: checks (shared by both platforms)
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int32_t kModeNT = 0, kModeNN = 1, kModeTN = 2;
+
+struct Bf16Shape {
+  int64_t groups = 0;
+  int64_t rows = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+};
+
+ffi::Error CheckGroupedGemmBf16(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                                const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Result<ffi::AnyBuffer>& d,
+                                int32_t mode, Bf16Shape* s) {
+  if (mode != kModeNT && mode != kModeNN && mode != kModeTN) {
+    return InvalidArg(kOpBf16, "mode", "0 (NT), 1 (NN) or 2 (TN)", mode);
+  }
+  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"a", &a}, {"b", &b}}) {
+    if (buf->element_type() != ffi::DataType::BF16) {
+      return InvalidArg(kOpBf16, name, "bfloat16", DataTypeName(buf->element_type()));
+    }
+  }
+  const auto a_dims = a.dimensions();
+  if (a_dims.size() != 2 || a_dims[1] <= 0 || a_dims[1] % 8) {
+    return InvalidArg(kOpBf16, "a", "[M, K] with K a positive multiple of 8", DimsToString(a_dims));
+  }
+  s->rows = a_dims[0];
+  s->k = a_dims[1];
+  const auto g_dims = group_sizes.dimensions();
+  if (g_dims.size() != 1 || g_dims[0] < 1 || g_dims[0] > kMaxGroups) {
+    return InvalidArg(kOpBf16, "group_sizes", "[G] with 1 <= G <= 65535", DimsToString(g_dims));
+  }
+  s->groups = g_dims[0];
+  const auto b_dims = b.dimensions();
+  if (mode == kModeTN) {
+    if (b_dims.size() != 2 || b_dims[0] != s->rows || b_dims[1] <= 0 || b_dims[1] % 8) {
+      return InvalidArg(kOpBf16, "b (mode TN)", "[M, N] with M = " + std::to_string(s->rows) +
+                                                    " and N a positive multiple of 8", DimsToString(b_dims));
+    }
+    s->n = b_dims[1];
+  } else {
+    const bool nt = mode == kModeNT;
+    const int64_t k_dim = nt ? 2 : 1, n_dim = nt ? 1 : 2;
+    if (b_dims.size() != 3 || b_dims[0] != s->groups || b_dims[k_dim] != s->k || b_dims[n_dim] <= 0 ||
+        b_dims[n_dim] % 8) {
+      const std::string g = std::to_string(s->groups), k = std::to_string(s->k);
+      return InvalidArg(kOpBf16, nt ? "b (mode NT)" : "b (mode NN)",
+                        (nt ? "[G, N, K] = [" + g + ", N, " + k : "[G, K, N] = [" + g + ", " + k + ", N") +
+                            "] with N a positive multiple of 8",
+                        DimsToString(b_dims));
+    }
+    s->n = b_dims[n_dim];
+  }
+  const bool tn = mode == kModeTN;
+  const ffi::DataType want_d = tn ? ffi::DataType::F32 : ffi::DataType::BF16;
+  if (d->element_type() != want_d) return InvalidArg(kOpBf16, "d", DataTypeName(want_d), DataTypeName(d->element_type()));
+  if (tn ? !HasDims(*d, {s->groups, s->k, s->n}) : !HasDims(*d, {s->rows, s->n})) {
+    return InvalidArg(kOpBf16, "d", tn ? Dims({s->groups, s->k, s->n}) : Dims({s->rows, s->n}),
+                      DimsToString(d->dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// grouped_gemm_bf16: CPU
+// ---------------------------------------------------------------------------------------------------------------
+
+float Bf16ToFloat(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+ffi::Error GroupedGemmBf16CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
+                                  ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
+                                  int32_t mode) {
+  (void)scratch;
+  Bf16Shape s;
+  if (auto err = CheckGroupedGemmBf16(a, b, group_sizes, d, mode, &s); err.failure()) return err;
+  const auto* a_bits = static_cast<const uint16_t*>(a.untyped_data());
+  const auto* b_bits = static_cast<const uint16_t*>(b.untyped_data());
+  const int32_t* sizes = group_sizes.typed_data();
+  std::vector<float> x(static_cast<size_t>(s.rows * s.k)), w;
+  for (size_t i = 0; i < x.size(); ++i) x[i] = Bf16ToFloat(a_bits[i]);
+
+  if (mode == kModeTN) {
+    auto* out = static_cast<float*>(d->untyped_data());
+    std::memset(out, 0, static_cast<size_t>(s.groups * s.k * s.n) * sizeof(float));
+    std::vector<float> y(static_cast<size_t>(s.rows * s.n));
+    for (size_t i = 0; i < y.size(); ++i) y[i] = Bf16ToFloat(b_bits[i]);
+    int64_t next = 0;
+    for (int64_t g = 0; g < s.groups; ++g) {
+      const int64_t requested = sizes[g] > 0 ? sizes[g] : 0;
+      const int64_t count = requested < s.rows - next ? requested : s.rows - next;
+      float* dg = out + g * s.k * s.n;
+      // One output row at a time (it stays in cache) over the group's rows in ascending order: a fixed float32
+      // summation order.
+      for (int64_t kk = 0; kk < s.k; ++kk) {
+        float* row = dg + kk * s.n;
+        for (int64_t r = next; r < next + count; ++r) {
+          const float xv = x[r * s.k + kk];
+          const float* yr = y.data() + r * s.n;
+          for (int64_t n = 0; n < s.n; ++n) row[n] += xv * yr[n];
+        }
+      }
+      next += count;
+    }
+    return ffi::Error::Success();
+  }
+
+  auto* out = static_cast<uint16_t*>(d->untyped_data());
+  std::memset(out, 0, static_cast<size_t>(s.rows * s.n) * sizeof(uint16_t));
+  w.resize(static_cast<size_t>(s.n * s.k));
+  int64_t next = 0;
+  for (int64_t g = 0; g < s.groups; ++g) {
+    const int64_t requested = sizes[g] > 0 ? sizes[g] : 0;
+    const int64_t count = requested < s.rows - next ? requested : s.rows - next;
+    if (count > 0) {
+      // The group's weights as w[n, k], whichever way b stores them.
+      const uint16_t* bg = b_bits + g * s.n * s.k;
+      for (int64_t n = 0; n < s.n; ++n) {
+        for (int64_t kk = 0; kk < s.k; ++kk) {
+          w[n * s.k + kk] = Bf16ToFloat(mode == kModeNT ? bg[n * s.k + kk] : bg[kk * s.n + n]);
+        }
+      }
+      // Rows in blocks of kRowBlock against each weight row, eight interleaved float32 partial sums per output
+      // (K % 8 == 0): the loop vectorizes without reassociation and reads the weights once per block.
+      constexpr int64_t kRowBlock = 4;
+      for (int64_t r0 = next; r0 < next + count; r0 += kRowBlock) {
+        const int64_t block = next + count - r0 < kRowBlock ? next + count - r0 : kRowBlock;
+        for (int64_t n = 0; n < s.n; ++n) {
+          const float* wn = w.data() + n * s.k;
+          float acc[kRowBlock][8] = {};
+          for (int64_t kk = 0; kk < s.k; kk += 8) {
+            for (int64_t i = 0; i < kRowBlock; ++i) {
+              const float* xr = x.data() + (r0 + (i < block ? i : 0)) * s.k + kk;
+              for (int j = 0; j < 8; ++j) acc[i][j] += xr[j] * wn[kk + j];
+            }
+          }
+          for (int64_t i = 0; i < block; ++i) {
+            const float* a8 = acc[i];
+            out[(r0 + i) * s.n + n] = FloatToBf16(((a8[0] + a8[1]) + (a8[2] + a8[3])) + ((a8[4] + a8[5]) + (a8[6] + a8[7])));
+          }
+        }
+      }
+    }
+    next += count;
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// grouped_gemm_bf16: CUDA
+// ---------------------------------------------------------------------------------------------------------------
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                   ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d,
+                                   ffi::Result<ffi::Buffer<ffi::U8>> scratch, int32_t mode) {
+  Bf16Shape s;
+  if (auto err = CheckGroupedGemmBf16(a, b, group_sizes, d, mode, &s); err.failure()) return err;
+  int current = -1;
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaGetDevice(&current));
+  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+  int sm_count = 0;
+  std::string error;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+      err != cudaSuccess) {
+    error = cudaGetErrorString(err);
+  } else {
+    GroupedGemmBf16Args args;
+    args.mode = static_cast<Bf16GemmMode>(mode);
+    args.a = a.untyped_data();
+    args.b = b.untyped_data();
+    args.group_sizes = group_sizes.typed_data();
+    args.d = d->untyped_data();
+    args.num_groups = s.groups;
+    args.rows = s.rows;
+    args.n = s.n;
+    args.k = s.k;
+    args.scratch = scratch->untyped_data();
+    args.scratch_bytes = static_cast<size_t>(scratch->element_count());
+    error = LaunchGroupedGemmBf16(stream, sm_count, args);
+  }
+  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(current));
+  if (!error.empty()) return ffi::Error::Internal(std::string(kOpBf16) + ": " + error);
+  return ffi::Error::Success();
+}
+#endif
+
 }  // namespace
 
-// Scratch bytes of the CUDA handler for `num_groups` groups on any visible GPU; 0 without one.
-size_t GroupedGemmScratchBytes(int64_t num_groups) {
+// Scratch bytes of the CUDA handler for `num_groups` groups on any visible GPU; 0 without one. `bf16_mode` < 0: the
+// FP8 op; else the bf16 op in that mode.
+size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode) {
 #ifdef JAX_MOE_A2A_WITH_CUDA
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -249,12 +457,15 @@ size_t GroupedGemmScratchBytes(int64_t num_groups) {
   for (int dev = 0; dev < count; ++dev) {
     int sm_count = 0;
     if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) continue;
-    const size_t need = GroupedGemmFp8ScratchBytes(num_groups, sm_count);
+    const size_t need = bf16_mode < 0 ? GroupedGemmFp8ScratchBytes(num_groups, sm_count)
+                                      : GroupedGemmBf16ScratchBytes(static_cast<Bf16GemmMode>(bf16_mode), num_groups,
+                                                                    sm_count);
     bytes = need > bytes ? need : bytes;
   }
   return bytes;
 #else
   (void)num_groups;
+  (void)bf16_mode;
   return 0;
 #endif
 }
@@ -285,5 +496,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda, jax_moe_a2a::GroupedG
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // d
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()          // scratch
                                   .Attr<bool>("masked"),                          // masked
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cpu, jax_moe_a2a::GroupedGemmBf16CpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // a
+                                  .Arg<xla::ffi::AnyBuffer>()                  // b
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()                  // d
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()       // scratch
+                                  .Attr<int32_t>("mode"));                     // mode
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cuda, jax_moe_a2a::GroupedGemmBf16CudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // a
+                                  .Arg<xla::ffi::AnyBuffer>()                     // b
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()                     // d
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()          // scratch
+                                  .Attr<int32_t>("mode"),                         // mode
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif

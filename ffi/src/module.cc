@@ -20,11 +20,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cpu);
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cuda);
 #endif
 
 namespace jax_moe_a2a {
@@ -37,7 +39,7 @@ std::string IpcHandles(int64_t id, std::map<int, std::string>* handles);
 std::string OpenIpcPeers(int64_t id, const std::map<std::pair<int, int>, std::string>& handles);
 #endif
 std::string DestroyWorkspace(int64_t id);
-size_t GroupedGemmScratchBytes(int64_t num_groups);
+size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode);
 }  // namespace jax_moe_a2a
 
 namespace jax_moe_a2a {
@@ -85,6 +87,7 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         cpu["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCpu);
         cpu["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCpu);
         cpu["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cpu);
+        cpu["jax_moe_a2a_grouped_gemm_bf16"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmBf16Cpu);
         platforms["cpu"] = cpu;
 #ifdef JAX_MOE_A2A_WITH_CUDA
         py::dict cuda;
@@ -92,6 +95,7 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         cuda["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCuda);
         cuda["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCuda);
         cuda["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cuda);
+        cuda["jax_moe_a2a_grouped_gemm_bf16"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmBf16Cuda);
         platforms["CUDA"] = cuda;
 #endif
         return platforms;
@@ -167,7 +171,9 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
       },
       py::arg("id"), "The sticky failure of a workspace, or an empty string.");
   m.def("grouped_gemm_scratch_bytes", &jax_moe_a2a::GroupedGemmScratchBytes, py::arg("num_groups"),
-        "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8 call with `num_groups` groups on any visible GPU "
+        py::arg("bf16_mode") = -1,
+        "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8 call (bf16_mode < 0) or jax_moe_a2a_grouped_gemm_bf16 "
+        "call in that mode, with `num_groups` groups on any visible GPU "
         "(0 without a GPU or without the CUDA handlers).");
   m.attr("ffi_api_version") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   // The protocol's piece size and sender block bound, for the tests that layout.PIECE_BYTES and layout.SCAN_BLOCKS

@@ -1,0 +1,331 @@
+"""The whole MoE layer as users call it (`moe.moe_apply`, jitted), forward and forward+backward, beside baselines.
+
+For each tokens-per-device count and variant: the median step time (fresh activations each run), TFLOP/s of the
+routed experts (2 * T * k * H * 3F per forward, 3x that per forward+backward, T tokens per device), the compiled
+temp bytes (`compile().memory_analysis()`), the device's peak memory so far, and, on GPUs, the time per named stage
+(router, wire encode, dispatch, wire decode, permute, experts, unpermute, combine, ...) from a profiler trace:
+each kernel is attributed to the innermost stage scope in its HLO instruction's op_name.
+
+Variants (all with bfloat16 compute and bfloat16 parameters):
+  einsum         baseline: an equal-capacity batched einsum of the same FLOPs (T*k/E rows per local expert, no
+                 routing, no exchange), gate/up -> SwiGLU -> down
+  twin           the layer with every op on its pure-JAX twin (impl="reference"; bf16 experts)
+  bf16           bf16 experts (the default path: the bf16 grouped GEMMs on GPUs), bf16 wire
+  fp8            FP8 experts from the bf16 master weights (gemm_impl="ffi"), fp8_blockwise wire
+  fp8_bf16wire   the same on a bf16 wire
+  fp8_stored     stored FP8 weights (inference; forward only), fp8_blockwise wire
+  <variant>_ws   the same with a one-sided workspace (moe.make_workspace(training=True))
+
+Forward+backward is the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and x.
+
+  python bench/bench_layer.py [--tokens 4096 16384] [--local-experts 32] [--variants ...] [--out DIR]
+  python bench/bench_layer.py --plot bench/results/layer_<date>.json     (plot a result file)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import plot_if_possible, save_plot, time_per_call, write_result  # noqa: E402
+
+from jax_moe_a2a import moe  # noqa: E402
+
+BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_bf16wire", "fp8_stored")
+VARIANTS = BASE_VARIANTS + tuple(v + "_ws" for v in BASE_VARIANTS[2:])
+DEFAULT_VARIANTS = ("einsum", "twin", "bf16", "bf16_ws", "fp8", "fp8_ws", "fp8_stored", "fp8_stored_ws")
+# Stage scopes, innermost first wins: an op is attributed to the last of these names in its op_name path.
+STAGES = ("router", "aux", "wire_encode", "moe_dispatch", "wire_decode", "permute", "experts", "unpermute",
+          "moe_combine", "shared_experts")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The variants
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _config(variant: str, args) -> moe.MoEConfig:
+  base = variant[:-3] if variant.endswith("_ws") else variant
+  fp8 = base.startswith("fp8")
+  return moe.MoEConfig(
+      num_experts=args.local_experts * jax.device_count(), top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
+      wire_format="bf16" if base in ("bf16", "twin", "fp8_bf16wire") else "fp8_blockwise",
+      fp8_weights=base == "fp8_stored", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+      impl="reference" if base == "twin" else "auto", gemm_impl="ffi" if fp8 else None)
+
+
+def _layer_fns(variant: str, args, mesh, tokens: int):
+  """(forward, forward+backward or None, make inputs, workspace or None) of one layer variant."""
+  config = _config(variant, args)
+  num_tokens = tokens * jax.device_count()
+  ws = moe.make_workspace(config, mesh, num_tokens, training=True) if variant.endswith("_ws") else None
+  params = moe.init_params(jax.random.key(0), config, mesh)
+  x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(config.token_axes, None))
+  trainable = {k: v for k, v in params.items() if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize >= 2
+               and not k.endswith("_sf")}
+  frozen = {k: v for k, v in params.items() if k not in trainable}
+
+  def forward(trainable, x):
+    y, aux = moe.moe_apply({**trainable, **frozen}, x, config, mesh, workspace=ws)
+    return y, aux["load_balance_loss"]
+
+  def loss(trainable, x, ct):
+    y, lb = forward(trainable, x)
+    return jnp.sum(y.astype(jnp.float32) * ct) + lb
+
+  fwd = jax.jit(forward)
+  fwd_bwd = None if config.fp8_weights else jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+  def inputs(i):
+    k = jax.random.fold_in(jax.random.key(1), i)
+    x = jax.device_put(jax.random.normal(k, (num_tokens, args.hidden), jnp.bfloat16), x_sharding)
+    ct = jax.device_put(jax.random.normal(jax.random.fold_in(k, 1), (num_tokens, args.hidden), jnp.float32),
+                        x_sharding)
+    return x, ct
+
+  return (lambda x, ct: fwd(trainable, x)), (None if fwd_bwd is None else (lambda x, ct: fwd_bwd(trainable, x, ct))), \
+      inputs, ws, (fwd, fwd_bwd, trainable)
+
+
+def _einsum_fns(args, mesh, tokens: int):
+  """The equal-capacity batched einsum baseline, per device, under shard_map over every device."""
+  devices = jax.device_count()
+  e, h, f = args.local_experts, args.hidden, args.ffn
+  cap = tokens * args.top_k // e
+  spec = jax.sharding.PartitionSpec(("data", "expert"))
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  kw = jax.random.key(2)
+  w_gu = jax.device_put((jax.random.normal(kw, (devices * e, 2 * f, h), jnp.float32) / np.sqrt(h)).astype(
+      jnp.bfloat16), sharding)
+  w_dn = jax.device_put((jax.random.normal(jax.random.fold_in(kw, 1), (devices * e, h, f), jnp.float32)
+                         / np.sqrt(f)).astype(jnp.bfloat16), sharding)
+
+  def mlp(w_gu, w_dn, x):
+    hh = jnp.einsum("ech,efh->ecf", x, w_gu, preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(hh[..., :f]) * hh[..., f:]).astype(jnp.bfloat16)
+    return jnp.einsum("ecf,ehf->ech", act, w_dn, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+  body = jax.shard_map(mlp, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+  fwd = jax.jit(body)
+
+  def loss(w_gu, w_dn, x, ct):
+    return jnp.sum(body(w_gu, w_dn, x).astype(jnp.float32) * ct)
+
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  def inputs(i):
+    k = jax.random.fold_in(jax.random.key(3), i)
+    x = jax.device_put(jax.random.normal(k, (devices * e, cap, h), jnp.bfloat16), sharding)
+    ct = jax.device_put(jax.random.normal(jax.random.fold_in(k, 1), (devices * e, cap, h), jnp.float32), sharding)
+    return x, ct
+
+  return (lambda x, ct: fwd(w_gu, w_dn, x)), (lambda x, ct: fwd_bwd(w_gu, w_dn, x, ct)), inputs, None, \
+      (fwd, fwd_bwd, (w_gu, w_dn))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measurements
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _op_names(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> its op_name metadata, from a compiled module's text."""
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text, re.M):
+    out[m.group(1)] = m.group(2)
+  return out
+
+
+def _stage_of(op_name: str) -> str:
+  parts = op_name.split("/")
+  for part in reversed(parts):
+    for stage in STAGES:
+      if part == stage or part.endswith("(" + stage + ")") or part.startswith(stage + "("):
+        return stage
+  return "other"
+
+
+def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[dict[str, float], list]:
+  """Per stage, milliseconds of GPU kernel time per call (the slowest device), from a profiler trace."""
+  names = _op_names(hlo_text)
+  jax.block_until_ready(fn(*call_args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(runs):
+        jax.block_until_ready(fn(*call_args))
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+  per_device, unmatched = [], {}
+  for plane in (data.planes if data else []):
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    stages: dict[str, float] = {}
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):
+        continue
+      for e in line.events:
+        stats = {}
+        try:
+          stats = {k: v for k, v in e.stats}
+        except (TypeError, ValueError, AttributeError):
+          pass
+        hlo_op = str(stats.get("hlo_op", ""))
+        op_name = names.get(hlo_op) or str(stats.get("tf_op", "")) or names.get(e.name, "")
+        stage = _stage_of(op_name) if op_name else "other"
+        stages[stage] = stages.get(stage, 0.0) + e.duration_ns / 1e6 / runs
+        if stage == "other":
+          key = (hlo_op or e.name)[:80]
+          unmatched[key] = unmatched.get(key, 0.0) + e.duration_ns / 1e6 / runs
+    per_device.append(stages)
+  if not per_device:
+    return {}, []
+  slowest = max(per_device, key=lambda s: sum(s.values()))
+  top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
+  return slowest, [(k, round(v / len(per_device), 4)) for k, v in top]
+
+
+def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: float, args) -> dict:
+  row = {"variant": name, "mode": mode}
+  t0 = time.perf_counter()
+  compiled = jitted.lower(*jit_args).compile()
+  row["compile_s"] = round(time.perf_counter() - t0, 2)
+  mem = compiled.memory_analysis()
+  if mem is not None:
+    row["temp_bytes"] = int(mem.temp_size_in_bytes)
+    row["argument_bytes"] = int(mem.argument_size_in_bytes)
+    row["output_bytes"] = int(mem.output_size_in_bytes)
+  probe = time.perf_counter()
+  jax.block_until_ready(fn(*input_sets[0]))
+  first = time.perf_counter() - probe
+  runs = args.runs if first < 0.5 else max(3, min(args.runs, int(10 / max(first, 1e-3))))
+  t = time_per_call(fn, input_sets, calls_per_run=1, warmup=2, runs=runs)
+  row.update(ms=t["median_s"] * 1e3, min_ms=t["min_s"] * 1e3, p90_ms=t["p90_s"] * 1e3, runs=runs,
+             tflops=flops / t["median_s"] / 1e12)
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    row["peak_bytes_so_far"] = int(stats["peak_bytes_in_use"])
+  if jax.default_backend() == "gpu" and not args.no_stages:
+    row["stages_ms"], row["unattributed_top"] = _stage_times(fn, input_sets[0], compiled.as_text())
+  print(f"  {name:>16} {mode:>8}: {row['ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  temp "
+        f"{row.get('temp_bytes', 0) / 2**30:6.2f} GiB  (compile {row['compile_s']} s, {runs} runs)"
+        + ("" if not row.get("stages_ms") else "  " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(row["stages_ms"].items(), key=lambda kv: -kv[1]))), flush=True)
+  return row
+
+
+def run(args) -> list[dict]:
+  devices = jax.device_count()
+  mesh = jax.make_mesh((1, devices), ("data", "expert"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rows = []
+  for tokens in args.tokens:
+    fwd_flops = 2.0 * tokens * args.top_k * args.hidden * 3 * args.ffn
+    print(f"tokens per device {tokens}: {fwd_flops / 1e12:.3f} TFLOP per forward per device", flush=True)
+    for variant in args.variants:
+      if variant.startswith("twin") and tokens > args.twin_max_tokens:
+        print(f"  {variant:>16}: skipped at {tokens} tokens (--twin-max-tokens {args.twin_max_tokens})")
+        continue
+      try:
+        if variant == "einsum":
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p) = _einsum_fns(args, mesh, tokens)
+          jit_fwd = (jf, (*p, inputs(0)[0]))
+          jit_bwd = (jfb, (*p, *inputs(0)))
+        else:
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p) = _layer_fns(variant, args, mesh, tokens)
+          jit_fwd = (jf, (p, inputs(0)[0]))
+          jit_bwd = None if jfb is None else (jfb, (p, *inputs(0)))
+        input_sets = [inputs(i) for i in range(args.input_sets)]
+        for mode, fn, jitted, flops in (("fwd", fwd, jit_fwd, fwd_flops), ("fwd_bwd", fwd_bwd, jit_bwd, 3 * fwd_flops)):
+          if fn is None or mode not in args.modes:
+            continue
+          row = _measure(variant, mode, fn, jitted[0], jitted[1], input_sets, flops, args)
+          row["tokens_per_device"] = tokens
+          rows.append(row)
+        del input_sets
+        if ws is not None:
+          ws.close()
+      except Exception as e:  # pylint: disable=broad-except  (one variant's failure is recorded, the rest run)
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        print(f"  {variant:>16}: FAILED {msg}", flush=True)
+        rows.append({"variant": variant, "tokens_per_device": tokens, "error": msg})
+  return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plot and command line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _draw(plt, record):
+  rows = [r for r in record["rows"] if "ms" in r]
+  fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 5.5))
+  labels = [f"{r['variant']}\n{r['mode']}\n{r['tokens_per_device']}" for r in rows]
+  bottom = np.zeros(len(rows))
+  stages = list(STAGES) + ["other"]
+  for stage in stages:
+    vals = np.array([r.get("stages_ms", {}).get(stage, 0.0) for r in rows])
+    if vals.any():
+      ax.bar(labels, vals, bottom=bottom, label=stage)
+      bottom += vals
+  ax.scatter(labels, [r["ms"] for r in rows], color="black", marker="_", s=400, zorder=3, label="step (wall)")
+  ax.set_ylabel("ms per step")
+  ax.set_yscale("log" if max(r["ms"] for r in rows) > 50 * min(r["ms"] for r in rows) else "linear")
+  ax.set_title(f"moe_apply at H {record['hidden']}, F {record['ffn']}, top-{record['top_k']}, "
+               f"{record['local_experts']} experts/device; {record['device']}", fontsize=9)
+  ax.legend(fontsize=7, ncol=2)
+  plt.setp(ax.get_xticklabels(), fontsize=7)
+  return fig
+
+
+def _plot(path):
+  return save_plot(path, _draw)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="tokens per device")
+  p.add_argument("--local-experts", type=int, default=32, help="routed experts per device (default 32)")
+  p.add_argument("--hidden", type=int, default=7168)
+  p.add_argument("--ffn", type=int, default=2048)
+  p.add_argument("--top-k", type=int, default=8)
+  p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+  p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+  p.add_argument("--twin-max-tokens", type=int, default=4096, help="largest token count the twin runs at")
+  p.add_argument("--runs", type=int, default=20, help="timed runs (median reported; fewer for slow steps)")
+  p.add_argument("--input-sets", type=int, default=3, help="distinct activation sets rotated between runs")
+  p.add_argument("--no-stages", action="store_true", help="skip the per-stage profiler trace")
+  p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
+  p.add_argument("--plot", default=None, help="only plot this result file")
+  args = p.parse_args(argv)
+  if args.plot:
+    print("wrote", _plot(args.plot))
+    return 0
+  for name in ("local_experts", "hidden", "ffn", "top_k", "runs", "input_sets"):
+    if getattr(args, name) <= 0:
+      p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+  if any(t <= 0 for t in args.tokens):
+    p.error(f"--tokens must be positive, got {args.tokens}")
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+  rows = run(args)
+  path = write_result("layer", {"hidden": args.hidden, "ffn": args.ffn, "top_k": args.top_k,
+                                "local_experts": args.local_experts, "devices": jax.device_count(),
+                                "flops_definition": "2*T*k*H*3F per forward per device, 3x per forward+backward",
+                                "rows": rows}, args.out)
+  print("wrote", path)
+  plot_if_possible(path, _plot)
+  return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,359 @@
+// grouped_gemm_bf16_sm90.cu -- bf16 grouped GEMMs on Hopper (sm_90a): CUTLASS's pointer-array grouped GEMM (TMA
+// loads, warp-specialized cooperative wgmma, float32 accumulation) in the three operand layouts an expert MLP's
+// training step needs, fed from device memory by a small setup kernel so that group sizes never reach the host.
+//
+// NOTES:
+// - One kernel type per mode (grouped_gemm_bf16_kernels.cuh): kNT reads both operands K-major, kNN reads the
+//   weights N-major (wgmma transposes 16-bit operands in shared memory, so no transposed copy of the weights is
+//   made), kTN reads both operands MN-major and contracts over a group's rows, so its K differs per group.
+// - The setup kernel turns group_sizes into per-group problem shapes, pointers and strides in the caller's scratch
+//   buffer. Groups with no rows get an empty problem (M = 0) and produce no tiles; for kTN their output is zeroed
+//   by the fill kernel, as are the rows no group owns for kNT and kNN. TMA stores clip each group's tiles to its
+//   own rows, and TMA loads fill a group's K residue (kTN) with zeros.
+// - The kernel's host-side parameters are built once per (mode, device, scratch address, group count) and cached,
+//   as for the FP8 GEMM: problem shapes and addresses are read from the scratch arrays on the device.
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/util/packed_stride.hpp"
+#include "grouped_gemm_bf16_kernels.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernel types
+// ---------------------------------------------------------------------------------------------------------------
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+using Bf16 = cutlass::bfloat16_t;
+
+template <class LayoutA, class LayoutB, class ElementD>
+struct Bf16Kernel {
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignmentAB = 8;  // bf16 elements per 16-byte access
+  static constexpr int kAlignmentD = 16 / sizeof(ElementD);
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_1, _2, _1>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlignmentD,  // no C operand
+      ElementD, LayoutD*, kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignmentAB, Bf16, LayoutB*,
+      kAlignmentAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideD = typename GemmKernel::InternalStrideD;
+  using Element = ElementD;
+};
+
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+// In CUTLASS's terms A is [M, K] and B is [K, N]: RowMajor A and ColumnMajor B are K-major.
+using KernelNT = Bf16Kernel<RowMajor, ColumnMajor, Bf16>;   // a [rows, k], b [G, n, k]
+using KernelNN = Bf16Kernel<RowMajor, RowMajor, Bf16>;      // a [rows, k], b [G, k, n]
+using KernelTN = Bf16Kernel<ColumnMajor, RowMajor, float>;  // aᵀ: [k, rows] read from a [rows, k]; b [rows, n]
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-group argument arrays, carved from the caller's scratch buffer
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+template <class K>
+struct GroupArrays {
+  GroupShape* shapes;
+  const Bf16** a;
+  const Bf16** b;
+  typename K::Element** d;
+  typename K::StrideA* stride_a;
+  typename K::StrideB* stride_b;
+  typename K::StrideD* stride_d;
+};
+
+// Carves the arrays from `base` (nullptr: only counts) and returns the bytes they take.
+template <class K>
+size_t CarveGroupArrays(char* base, int64_t num_groups, GroupArrays<K>* out) {
+  size_t offset = 0;
+  auto take = [&](auto** ptr, size_t elem_bytes) {
+    using T = std::remove_reference_t<decltype(**ptr)>;
+    *ptr = base ? reinterpret_cast<T*>(base + offset) : nullptr;
+    offset = AlignUp(offset + elem_bytes * num_groups);
+  };
+  take(&out->shapes, sizeof(GroupShape));
+  take(&out->a, sizeof(void*));
+  take(&out->b, sizeof(void*));
+  take(&out->d, sizeof(void*));
+  take(&out->stride_a, sizeof(typename K::StrideA));
+  take(&out->stride_b, sizeof(typename K::StrideB));
+  take(&out->stride_d, sizeof(typename K::StrideD));
+  return offset;
+}
+
+template <class K>
+typename K::Gemm::Arguments MakeArguments(const GroupArrays<K>& g, int num_groups, int device, int sm_count) {
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = device;
+  hw_info.sm_count = sm_count;
+  typename K::Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
+      {g.a, g.stride_a, g.b, g.stride_b},
+      {{}, nullptr, nullptr, g.d, g.stride_d},
+      hw_info};
+  auto& fusion = arguments.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {_0{}, _0{}, 0};
+  fusion.dBeta = {_0{}, _0{}, 0};
+  return arguments;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Device kernels: setup and zero fill
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int kSetupThreads = 256;
+
+// Fills the per-group arrays. One block; groups in chunks of kSetupThreads with a running row offset.
+template <class K, Bf16GemmMode kMode>
+__global__ void __launch_bounds__(kSetupThreads) SetupGroupsKernel(GroupedGemmBf16Args args, GroupArrays<K> g) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t chunk_base;
+  if (threadIdx.x == 0) chunk_base = 0;
+  __syncthreads();
+  const auto* a = static_cast<const Bf16*>(args.a);
+  const auto* b = static_cast<const Bf16*>(args.b);
+  auto* d = static_cast<typename K::Element*>(args.d);
+  const int n = static_cast<int>(args.n), k = static_cast<int>(args.k);
+  for (int64_t first = 0; first < args.num_groups; first += kSetupThreads) {
+    const int64_t grp = first + threadIdx.x;
+    const int64_t requested = grp < args.num_groups ? max(args.group_sizes[grp], 0) : 0;
+    int64_t before = 0, chunk_total = 0;
+    Scan(scan_storage).ExclusiveSum(requested, before, chunk_total);
+    if (grp < args.num_groups) {
+      const int64_t start = min(chunk_base + before, args.rows);
+      const int size = static_cast<int>(min(requested, args.rows - start));
+      g.a[grp] = a + start * args.k;
+      if constexpr (kMode == Bf16GemmMode::kTN) {
+        // d[g] [k, n] = a_gᵀ · b_g: M = k, N = n, K = the group's rows.
+        g.shapes[grp] = size > 0 ? GroupShape(k, n, size) : GroupShape(0, n, 0);
+        g.b[grp] = b + start * args.n;
+        g.d[grp] = d + grp * args.k * args.n;
+        g.stride_a[grp] = cutlass::make_cute_packed_stride(typename K::StrideA{}, make_shape(k, size, 1));
+        g.stride_b[grp] = cutlass::make_cute_packed_stride(typename K::StrideB{}, make_shape(n, size, 1));
+        g.stride_d[grp] = cutlass::make_cute_packed_stride(typename K::StrideD{}, make_shape(k, n, 1));
+      } else {
+        g.shapes[grp] = GroupShape(size, n, k);
+        g.b[grp] = b + grp * args.n * args.k;
+        g.d[grp] = d + start * args.n;
+        g.stride_a[grp] = cutlass::make_cute_packed_stride(typename K::StrideA{}, make_shape(size, k, 1));
+        g.stride_b[grp] = cutlass::make_cute_packed_stride(typename K::StrideB{}, make_shape(n, k, 1));
+        g.stride_d[grp] = cutlass::make_cute_packed_stride(typename K::StrideD{}, make_shape(size, n, 1));
+      }
+    }
+    __syncthreads();  // everyone has read chunk_base
+    if (threadIdx.x == 0) chunk_base += chunk_total;
+    __syncthreads();
+  }
+}
+
+constexpr int kZeroThreads = 256;
+constexpr int64_t kZeroVecsPerBlock = 4096;  // 64 KiB of output per block
+
+// kNT, kNN: zeroes the rows of d past the owned ones. Grid: ceil(rows * n / 8 / kZeroVecsPerBlock).
+__global__ void __launch_bounds__(kZeroThreads) ZeroUnownedRowsKernel(GroupedGemmBf16Args args) {
+  using Reduce = cub::BlockReduce<int64_t, kZeroThreads>;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  __shared__ int64_t total;
+  int64_t sum = 0;
+  for (int64_t grp = threadIdx.x; grp < args.num_groups; grp += kZeroThreads) sum += max(args.group_sizes[grp], 0);
+  sum = Reduce(reduce_storage).Sum(sum);
+  if (threadIdx.x == 0) total = min(sum, args.rows);
+  __syncthreads();
+  const int64_t vecs_per_row = args.n / 8;  // 8 bfloat16 per 16-byte store
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kZeroVecsPerBlock;
+  const int64_t begin = max(first, total * vecs_per_row);
+  const int64_t end = min(first + kZeroVecsPerBlock, args.rows * vecs_per_row);
+  uint4* d = static_cast<uint4*>(args.d);
+  for (int64_t i = begin + threadIdx.x; i < end; i += kZeroThreads) d[i] = make_uint4(0, 0, 0, 0);
+}
+
+// kTN: zeroes d[g] of every group that owns no rows. Grid: (ceil(k * n / 4 / kZeroVecsPerBlock), num_groups).
+__global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(GroupedGemmBf16Args args) {
+  using Scan = cub::BlockReduce<int64_t, kZeroThreads>;
+  __shared__ typename Scan::TempStorage reduce_storage;
+  __shared__ int64_t owned;
+  // The group's clamped size needs the requested sizes of the groups before it.
+  const int64_t grp = blockIdx.y;
+  int64_t before = 0;
+  for (int64_t i = threadIdx.x; i < grp; i += kZeroThreads) before += max(args.group_sizes[i], 0);
+  before = Scan(reduce_storage).Sum(before);
+  if (threadIdx.x == 0) {
+    const int64_t start = min(before, args.rows);
+    owned = min(static_cast<int64_t>(max(args.group_sizes[grp], 0)), args.rows - start);
+  }
+  __syncthreads();
+  if (owned > 0) return;
+  const int64_t vecs = args.k * args.n / 4;  // 4 float per 16-byte store
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kZeroVecsPerBlock;
+  const int64_t end = min(begin + kZeroVecsPerBlock, vecs);
+  uint4* d = static_cast<uint4*>(args.d) + grp * vecs;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kZeroThreads) d[i] = make_uint4(0, 0, 0, 0);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch
+// ---------------------------------------------------------------------------------------------------------------
+
+// Kernel parameters per (device, scratch address, group count, SM count); see NOTES.
+template <class K>
+struct ParamsCache {
+  using Key = std::tuple<int, const void*, int64_t, int>;
+  static constexpr size_t kMaxEntries = 1024;
+  std::mutex mu;
+  std::map<Key, typename K::GemmKernel::Params> entries;
+
+  bool LookUp(const Key& key, typename K::GemmKernel::Params* out) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = entries.find(key);
+    if (it == entries.end()) return false;
+    *out = it->second;
+    return true;
+  }
+  void Store(const Key& key, const typename K::GemmKernel::Params& params) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (entries.size() >= kMaxEntries) entries.clear();
+    entries[key] = params;
+  }
+};
+
+template <class K>
+ParamsCache<K>& CacheOf() {
+  static auto* cache = new ParamsCache<K>;  // never destroyed: handlers may run during interpreter shutdown
+  return *cache;
+}
+
+std::string CutlassError(const char* what, cutlass::Status status) {
+  return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
+}
+
+template <class K>
+size_t ScratchBytes(int64_t num_groups, int sm_count) {
+  GroupArrays<K> arrays{};
+  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
+  const auto arguments = MakeArguments(arrays, static_cast<int>(num_groups), 0, sm_count);
+  return array_bytes + AlignUp(K::Gemm::get_workspace_size(arguments));
+}
+
+template <class K, Bf16GemmMode kMode>
+std::string Launch(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args& args) {
+  const size_t needed = ScratchBytes<K>(args.num_groups, sm_count);
+  if (args.scratch_bytes < needed) {
+    return "scratch holds " + std::to_string(args.scratch_bytes) + " bytes, the call needs " + std::to_string(needed);
+  }
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
+
+  GroupArrays<K> arrays{};
+  char* base = static_cast<char*>(args.scratch);
+  const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
+  SetupGroupsKernel<K, kMode><<<1, kSetupThreads, 0, stream>>>(args, arrays);
+  if constexpr (kMode == Bf16GemmMode::kTN) {
+    const int64_t vecs = args.k * args.n / 4;
+    const dim3 grid(static_cast<unsigned>((vecs + kZeroVecsPerBlock - 1) / kZeroVecsPerBlock),
+                    static_cast<unsigned>(args.num_groups));
+    ZeroEmptyGroupsKernel<<<grid, kZeroThreads, 0, stream>>>(args);
+  } else {
+    const int64_t vecs = args.rows * args.n / 8;
+    ZeroUnownedRowsKernel<<<static_cast<unsigned>((vecs + kZeroVecsPerBlock - 1) / kZeroVecsPerBlock),
+                            kZeroThreads, 0, stream>>>(args);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+
+  const auto arguments = MakeArguments(arrays, static_cast<int>(args.num_groups), device, sm_count);
+  void* workspace = base + array_bytes;
+  const typename ParamsCache<K>::Key key(device, args.scratch, args.num_groups, sm_count);
+  typename K::GemmKernel::Params params;
+  if (!CacheOf<K>().LookUp(key, &params)) {
+    typename K::Gemm gemm;
+    if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
+      return CutlassError("can_implement", status);
+    }
+    if (auto status = gemm.initialize(arguments, workspace, stream); status != cutlass::Status::kSuccess) {
+      return CutlassError("initialize", status);
+    }
+    params = gemm.params();
+    CacheOf<K>().Store(key, params);
+  } else if (auto status = K::GemmKernel::initialize_workspace(arguments, workspace, stream);
+             status != cutlass::Status::kSuccess) {
+    return CutlassError("initialize_workspace", status);
+  }
+  if (auto status = K::Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
+    return CutlassError("run", status);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  return "";
+}
+
+}  // namespace
+
+size_t GroupedGemmBf16ScratchBytes(Bf16GemmMode mode, int64_t num_groups, int sm_count) {
+  switch (mode) {
+    case Bf16GemmMode::kNT: return ScratchBytes<KernelNT>(num_groups, sm_count);
+    case Bf16GemmMode::kNN: return ScratchBytes<KernelNN>(num_groups, sm_count);
+    case Bf16GemmMode::kTN: return ScratchBytes<KernelTN>(num_groups, sm_count);
+  }
+  return 0;
+}
+
+std::string LaunchGroupedGemmBf16(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args& args) {
+  if (args.num_groups == 0) return "";
+  if (args.mode != Bf16GemmMode::kTN && args.rows == 0) return "";
+  switch (args.mode) {
+    case Bf16GemmMode::kNT: return Launch<KernelNT, Bf16GemmMode::kNT>(stream, sm_count, args);
+    case Bf16GemmMode::kNN: return Launch<KernelNN, Bf16GemmMode::kNN>(stream, sm_count, args);
+    case Bf16GemmMode::kTN: return Launch<KernelTN, Bf16GemmMode::kTN>(stream, sm_count, args);
+  }
+  return "unknown mode " + std::to_string(static_cast<int>(args.mode));
+}
+
+}  // namespace jax_moe_a2a
