@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session in one command: install the prebuilt extension from .whl/, check it, run the GPU tests and the
-# benchmarks. Usage (on a GPU machine, from the repository root): bash bench/gpu_session.sh [bench names...]
-# Results go to bench/results/ and, when $OUT is set, are copied there too.
+# benchmarks. Usage (on a GPU machine, from the repository root):
+#   TESTS="tests/test_x.py ..." bash bench/gpu_session.sh ["<bench name> [bench args...]" ...]
+# TESTS defaults to the FFI tests; TESTS=none runs none. Each further argument is one benchmark with its
+# arguments. Results go to bench/results/ (or where a benchmark's --out says) and, when $OUT is set, are copied
+# there too, with the full test log. Exits non-zero when a test or a benchmark fails.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+LOG_DIR=${OUT:-$(mktemp -d)}
 marker=$(mktemp)
 whl=$(ls .whl/jax_moe_a2a-*.whl 2>/dev/null | head -n 1)
 if [ -z "$whl" ]; then echo "no wheel in .whl/ (build one with: JAX_MOE_A2A_CUDA=ON pip wheel --no-deps -w .whl .)"; exit 2; fi
@@ -19,10 +23,19 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 PYEOF
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
-"$PY" -m jax_moe_a2a report --tokens 4096 || echo "REPORT FAILED"
-JAX_MOE_A2A_TEST_GPU=1 timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_*_ffi.py tests/test_a2a_multiprocess.py 2>&1 | tail -n 30
-for name in "$@"; do
-  "$PY" -m jax_moe_a2a bench "$name" || echo "BENCH $name FAILED"
+status=0
+tests=${TESTS:-tests/test_*_ffi.py tests/test_a2a_multiprocess.py}
+if [ "$tests" != "none" ]; then
+  # shellcheck disable=SC2086  (the list is word-split on purpose)
+  JAX_MOE_A2A_TEST_GPU=1 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider $tests \
+    > "$LOG_DIR/pytest.log" 2>&1
+  rc=$?
+  tail -n 25 "$LOG_DIR/pytest.log"
+  if [ "$rc" -ne 0 ]; then echo "TESTS FAILED (exit $rc)"; status=1; fi
+fi
+for spec in "$@"; do
+  # shellcheck disable=SC2086
+  "$PY" -m jax_moe_a2a bench $spec || { echo "BENCH $spec FAILED"; status=1; }
 done
 if [ -n "${OUT:-}" ]; then find bench/results -name "*.json" -newer "$marker" -exec cp {} "$OUT"/ \; ; fi
-exit 0
+exit $status
