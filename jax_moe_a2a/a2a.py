@@ -233,6 +233,57 @@ def _sum_from_slots(back: jax.Array, send_slot: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Ordering by data
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _first_bits(a: jax.Array) -> jax.Array:
+  """The bits of ``a``'s first element as a scalar unsigned int."""
+  v = a.reshape(-1)[0]
+  if v.dtype == jnp.bool_:
+    return v.astype(jnp.uint8)
+  info = jnp.finfo(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype)
+  if info.bits not in _UINT_OF_BITS:  # 4-bit types
+    v, info = v.astype(jnp.float32), jnp.finfo(jnp.float32)
+  return jax.lax.bitcast_convert_type(v, _UINT_OF_BITS[info.bits])
+
+
+@jax.custom_jvp
+def _after(x: jax.Array, deps: tuple[jax.Array, ...]) -> jax.Array:
+  # (bits | 1) != 0 always holds, but no compiler can tell from the bits of a value it does not know: the select
+  # keeps x's first element, and x as a whole comes to depend on every dep. One element is rewritten, in place.
+  keep = functools.reduce(jnp.logical_and, [(_first_bits(d) | 1) != 0 for d in deps])
+  idx = (0,) * x.ndim
+  return x.at[idx].set(jnp.where(keep, x[idx], jnp.zeros((), x.dtype)))
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+  return _after(*primals), tangents[0]
+
+
+def after(x: jax.Array, *deps: Any) -> jax.Array:
+  """``x``, unchanged, computed only once every array of ``deps`` (pytrees of arrays) is: a data dependency.
+
+  Orders a collective and a one-sided call (see `Workspace`): ``jax.lax.psum(after(g, y), axis)`` starts after
+  the call that made y, ``dispatch(after(x, s), ...)`` after the psum that made s. Costs a select of one element,
+  which no compiler pass removes (unlike `jax.lax.optimization_barrier`, which XLA:CPU drops before it schedules).
+  Differentiable in x (its gradient is the identity), not in deps. Empty arrays order nothing.
+
+  Args:
+    x: any array.
+    *deps: arrays or pytrees of arrays, any dtype.
+
+  Returns:
+    x, bit for bit, in the same dtype and shape.
+  """
+  leaves = tuple(jnp.asarray(d) for d in jax.tree.leaves(deps) if d.size and d.dtype != jax.dtypes.float0)
+  if not leaves or not x.size or x.dtype == jax.dtypes.float0:
+    return x
+  return _after(jnp.asarray(x), leaves)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Dispatch
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -300,6 +351,10 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
                                 num_experts=st.num_experts, workspace=ws)
     dx = _ffi_combine(combine_st, ct_result.recv_x.astype(ws.combine_dtype), send_slot, recv_counts)
     dx = dx.astype(st.x_dtype)
+    # The exchanges below follow the one-sided call by data: XLA:CPU would otherwise run them in any order, and a
+    # device inside one waiting for a peer inside the other deadlocks.
+    ct_result = ct_result._replace(recv_x_sf=None if ct_result.recv_x_sf is None else after(ct_result.recv_x_sf, dx),
+                                   recv_topk_weights=after(ct_result.recv_topk_weights, dx))
   else:
     dx = back_to_source(ct_result.recv_x, st.x_dtype)
   dx_sf = None if st.x_sf_dtype is None else back_to_source(ct_result.recv_x_sf, st.x_sf_dtype)
@@ -419,8 +474,8 @@ class _CombineStatic:
 def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts, topk_ids):
   if st.workspace is not None:
     out = _ffi_combine(st, expert_out, send_slot, recv_counts)
-    # One element of the result: the one-sided VJP waits for it, so it starts after this call on every device
-    # rather than as soon as its cotangent is known (see _nothing_before's users and the binding's `after`).
+    # One element of the result: the VJP waits for it (the one-sided call as its `after` operand, the twin's exchange
+    # by `after`), so it starts after this call on every device rather than as soon as its cotangent is known.
     return out, (send_slot, topk_ids, out.reshape(-1)[:1])
   back = _exchange(expert_out, st.axis_name)
   return _sum_from_slots(back, send_slot).astype(st.out_dtype), (send_slot, topk_ids, None)
@@ -432,7 +487,7 @@ def _combine(st, expert_out, send_slot, recv_counts, topk_ids):
 
 
 def _combine_bwd(st: _CombineStatic, res, ct_out):
-  send_slot, topk_ids, after = res
+  send_slot, topk_ids, forward_out = res
   ct = ct_out.astype(st.expert_dtype)
   ws = st.workspace
   if ws is not None and topk_ids is not None and ws.fits_dispatch_rows(ct):
@@ -441,8 +496,10 @@ def _combine_bwd(st: _CombineStatic, res, ct_out):
     dispatch_st = _DispatchStatic(axis_name=st.axis_name, num_ranks=send_slot.shape[1], num_experts=st.num_experts,
                                   x_dtype=ct.dtype, x_sf_dtype=None, workspace=ws)
     (result, _), _ = _ffi_dispatch_forward(dispatch_st, ct, None, topk_ids, jnp.zeros_like(topk_ids, jnp.float32),
-                                           after=after)
+                                           after=forward_out)
     return result.recv_x, None, None, None
+  if forward_out is not None:  # the forward was one-sided: the exchange follows it by data, as the call above does
+    ct = after(ct, forward_out)
   return _exchange(_scatter_to_slots(ct, send_slot, per_rank=False), st.axis_name), None, None, None
 
 
@@ -533,8 +590,10 @@ class Workspace:
   Order other collectives by data. The one-sided calls of the devices of a group wait for each other; on CPU,
   XLA runs the independent ops of one device program concurrently and in any order, so a collective with no data
   path to or from a dispatch/combine (e.g. a psum of routing statistics) can end up waited for by one device
-  while another waits in the dispatch. Tie such collectives to the dispatch inputs with
-  `jax.lax.optimization_barrier`, as `moe.moe_apply` does.
+  while another waits in the dispatch: each waits for the other until XLA aborts. Give every such collective a
+  data path to or from every one-sided call with `after` (``dispatch(x, ids, after(w, stats), ...)``,
+  ``psum(after(g, y))``), as `moe.moe_apply` and the VJPs here do. `jax.lax.optimization_barrier` does not order
+  them: XLA:CPU drops it before scheduling.
 
   Use as a context manager or call `close()`; closing twice is harmless, using a closed workspace raises.
   A call that times out waiting for a peer marks the workspace failed (its buffers may hold a half-finished

@@ -402,10 +402,11 @@ def _wire_bwd(st, res, cts):
   reference = dataclasses.replace(handle, workspace=None)
   ws = handle.workspace
   if ws is not None and ws.fits_combine_rows(ct_rows):
-    # One-sided rows; the weights' cotangents (top_k floats per row) take the reference path. Column for column
-    # the same float32 sums as the single payload below.
+    # One-sided rows; the weights' cotangents (top_k floats per row) take the reference path, after the rows by
+    # data (XLA:CPU would otherwise run the two in any order, and a device inside the all_to_all waiting for a peer
+    # inside the one-sided call deadlocks). Column for column the same float32 sums as the single payload below.
     rows = a2a.combine(ct_rows.astype(ws.combine_dtype), handle, out_dtype=jnp.float32)
-    return rows.astype(st.x_dtype), None, a2a.combine(ct_w, reference, out_dtype=jnp.float32)
+    return rows.astype(st.x_dtype), None, a2a.combine(a2a.after(ct_w, rows), reference, out_dtype=jnp.float32)
   # One exchange for rows and weights, on the reference path.
   back = a2a.combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
   return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
@@ -493,8 +494,71 @@ def _expert_weights(params) -> experts.ExpertWeights:
                                params.get("w_down_sf"))
 
 
+# With a workspace, every collective of the layer is ordered by data with respect to every one-sided call (see
+# a2a.Workspace: XLA:CPU runs a device's independent ops in any order, and a device inside a one-sided call waiting
+# for a peer inside a collective deadlocks). On every device the forward runs the routing statistics' psums, then
+# dispatch, combine and the sequence-parallel all_gather; the backward the psum_scatter over tp, combine's VJP, the
+# wire's VJP (its rows one-sided, then the weights' all_to_all), the statistics' psums, and last the psums that
+# shard_map's transpose adds for the inputs' cotangents (replicated parameters over data, x over tp).
+
+
+@jax.custom_vjp
+def _ordered(first, then):
+  """(first, then), unchanged: `then` is computed after `first`, and in the backward `first`'s cotangents after
+  `then`'s."""
+  return first, a2a.after(then, first)
+
+
+def _ordered_fwd(first, then):
+  return _ordered(first, then), None
+
+
+def _ordered_bwd(_, cts):
+  ct_first, ct_then = cts
+  return jax.tree.map(lambda c: a2a.after(c, ct_then), ct_first), ct_then
+
+
+_ordered.defvjp(_ordered_fwd, _ordered_bwd)
+
+
+@jax.custom_vjp
+def _after_in_backward(x, dep):
+  """x, unchanged; in the backward its cotangent is computed after `dep`, a (small) forward value."""
+  return x
+
+
+def _after_in_backward_fwd(x, dep):
+  return x, dep
+
+
+def _after_in_backward_bwd(dep, ct):
+  return a2a.after(ct, dep), jnp.zeros_like(dep)
+
+
+_after_in_backward.defvjp(_after_in_backward_fwd, _after_in_backward_bwd)
+
+
+@jax.custom_vjp
+def _joined(tree):
+  """tree, unchanged; in the backward each of its cotangents is computed after all of them."""
+  return tree
+
+
+def _joined_fwd(tree):
+  return tree, None
+
+
+def _joined_bwd(_, cts):
+  return (jax.tree.map(lambda c: a2a.after(c, cts), cts),)
+
+
+_joined.defvjp(_joined_fwd, _joined_bwd)
+
+
 def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
   """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
+  if workspace is not None:
+    params, x = _joined((params, x))  # the inputs' psums in the backward come last
   x_shape, x_dtype = x.shape, x.dtype
   x = x.reshape(-1, config.hidden)
   dtype = config.dtype
@@ -506,10 +570,8 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
   stat_axes = config.stat_axes or None
   topk_weights, topk_ids, aux = _route(params, x, config, stat_axes)
   if workspace is not None:
-    # The routing statistics' collectives must not race the one-sided dispatch: XLA:CPU runs independent ops of
-    # a device program concurrently and in any order, and a device waiting inside dispatch for a peer that waits
-    # inside an all-reduce for it would deadlock. The barrier orders them by data on every backend.
-    aux, x, topk_ids, topk_weights = jax.lax.optimization_barrier((aux, x, topk_ids, topk_weights))
+    # The statistics' psums before the dispatch; in the backward, theirs after the weights' cotangents came back.
+    aux, topk_weights = _ordered(aux, topk_weights)
   rows, recv_ids, recv_w, _, handle = wire_dispatch(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
@@ -523,7 +585,10 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
   y = y.astype(x_dtype)
   if config.sequence_parallel:
     with jax.named_scope("sequence_parallel_gather"):
+      y_local = y
       y = jax.lax.all_gather(y, config.tp_axis, axis=0, tiled=True)
+      if workspace is not None:  # its transpose, a psum_scatter of the incoming cotangent, after the combine
+        y = _after_in_backward(y, jax.lax.stop_gradient(y_local.reshape(-1)[:1]))
   return y.reshape(x_shape), aux["load_balance_loss"], aux["expert_load"]
 
 
