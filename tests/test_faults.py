@@ -129,7 +129,13 @@ _ONE_SIDED = re.compile(r'custom_call_target="jax_moe_a2a_(dispatch|combine)"')
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\{$")
 _INSTRUCTION = re.compile(r"^(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^(?:\((?:[^()]|\([^()]*\))*\)|\S+)\s+([\w\-]+)\(")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+                     r"|\bbranch_computations=\{([^}]*)\}")
+
+
+def _called(rest):
+  """The computations an instruction calls."""
+  return [c for a, b in _CALLED.findall(rest) for c in ([a] if a else re.findall(r"%([\w.\-]+)", b))]
 
 
 def _group_size(attrs):
@@ -177,7 +183,7 @@ def _ordering(hlo: str):
     for _, rest in comps.get(comp, []):
       k = _blocking(rest)
       out |= {k} if k else set()
-      for c in _CALLED.findall(rest):
+      for c in _called(rest):
         if c not in seen:
           out |= kinds_of(c, seen + (comp,))
     return out
@@ -193,7 +199,7 @@ def _ordering(hlo: str):
         if j is not None and j != i:
           ancestors[i] |= ancestors[j] | (1 << j)
       k = _blocking(rest)
-      kinds = {k} if k else set().union(*(kinds_of(c) for c in _CALLED.findall(rest)))
+      kinds = {k} if k else set().union(*(kinds_of(c) for c in _called(rest)))
       if k:
         counts[k] += 1
       if kinds:
