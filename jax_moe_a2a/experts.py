@@ -260,20 +260,23 @@ def _swiglu_bwd(h: jax.Array, d_act: jax.Array) -> jax.Array:
   return jnp.concatenate([d_act * up * (sig + silu * (1.0 - sig)), d_act * silu], axis=-1)
 
 
-def _mlp_backward_bf16(impl, ct, x, h, group_sizes, w_gate_up, w_down):
+def _mlp_backward_bf16(impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype):
   """Cotangents (dx, dw_gate_up, dw_down) of the grouped SwiGLU MLP on bfloat16 operands.
 
   Four grouped GEMMs: d_act = ct @ w_down and dx = dh @ w_gate_up (data gradients, weights read in place), and
-  dw_down = ct^T act, dw_gate_up = dh^T x (weight gradients contracted over each expert's rows, float32).
+  dw_down = ct^T act, dw_gate_up = dh^T x (weight gradients contracted over each expert's rows in float32, written
+  as `wgrad_dtype`; None: no weight gradients, (dx, None, None)).
   """
   bf16 = jnp.bfloat16
   ct = ct.astype(bf16)
   d_act = grouped_gemm.grouped_gemm_bf16(ct, w_down, group_sizes, b_layout="kn", impl=impl)
-  act = _swiglu(h).astype(bf16)  # recomputed from the saved gate/up rows
-  dw_down = grouped_gemm.grouped_gemm_bf16_wgrad(ct, act, group_sizes, impl=impl)
   dh = _swiglu_bwd(h, d_act).astype(bf16)
   dx = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, group_sizes, b_layout="kn", impl=impl)
-  dw_gate_up = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x, group_sizes, impl=impl)
+  if wgrad_dtype is None:
+    return dx, None, None
+  act = _swiglu(h).astype(bf16)  # recomputed from the saved gate/up rows
+  dw_down = grouped_gemm.grouped_gemm_bf16_wgrad(ct, act, group_sizes, out_dtype=wgrad_dtype, impl=impl)
+  dw_gate_up = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x, group_sizes, out_dtype=wgrad_dtype, impl=impl)
   return dx, dw_gate_up, dw_down
 
 
@@ -299,7 +302,10 @@ def _mlp_bf16(st, x, group_sizes, w_gate_up, w_down):
 
 def _mlp_bf16_bwd(st: _Bf16MlpStatic, res, ct):
   xb, h, group_sizes, gu, dn = res
-  grads = _mlp_backward_bf16(st.impl, ct, xb, h, group_sizes, gu, dn)
+  # Weight gradients are written in float32 for float32 weights, else in bfloat16 (no float32 pass to cast).
+  f32 = jnp.dtype(jnp.float32)
+  wgrad_dtype = f32 if f32 in st.dtypes[1:] else jnp.dtype(jnp.bfloat16)
+  grads = _mlp_backward_bf16(st.impl, ct, xb, h, group_sizes, gu, dn, wgrad_dtype)
   dx, dw_gu, dw_dn = (g.astype(dt) for g, dt in zip(grads, st.dtypes))
   return dx, None, dw_gu, dw_dn
 
@@ -390,7 +396,9 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
   del ffn
   q, q_sf = _quantize_rows(_swiglu(h), st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
-  return y, (a, a_sf, h, group_sizes, gu, gu_sf, dn, dn_sf)
+  # The backward reads float weights as they are (cast to bfloat16), FP8 ones dequantized.
+  w_bwd = (w_gate_up, w_down) if st.w_dtype is not None else (gu, gu_sf, dn, dn_sf)
+  return y, (a, a_sf, h, group_sizes, w_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -399,20 +407,27 @@ def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_s
 
 
 def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
-  a, a_sf, h, group_sizes, gu, gu_sf, dn, dn_sf = res
+  a, a_sf, h, group_sizes, w_bwd = res
   bf16 = jnp.bfloat16
   hidden = a.shape[-1]
-  # Straight-through: the bfloat16 MLP's gradient at the quantized operands and the forward's gate/up rows.
+  # Straight-through: the bfloat16 MLP's gradient at the quantized activations, the forward's gate/up rows and
+  # the weights (float weights rounded to bfloat16, FP8 weights dequantized).
   x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
                                      dtype=bf16).reshape(a.shape)
-  w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
-  w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
+  if st.w_dtype is not None:
+    w_gate_up, w_down = w_bwd[0].astype(bf16), w_bwd[1].astype(bf16)
+  else:
+    gu, gu_sf, dn, dn_sf = w_bwd
+    w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
+    w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
   if a.ndim == 3:
     mlp = lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd)
     _, vjp = jax.vjp(mlp, x, w_gate_up, w_down)
     dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
   else:
-    dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down)
+    wgrad_dtype = None if st.w_dtype is None else (
+        jnp.dtype(jnp.float32) if st.w_dtype == jnp.dtype(jnp.float32) else jnp.dtype(jnp.bfloat16))
+    dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype)
   dx = None if st.x_dtype is None else dx.astype(st.x_dtype)
   if st.w_dtype is None:
     dw_gu = dw_dn = None
@@ -424,34 +439,8 @@ def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
 _mlp_fp8.defvjp(_mlp_fp8_fwd, _mlp_fp8_bwd)
 
 
-def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                   x_sf: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
-  """The grouped SwiGLU MLP in FP8: gate/up grouped GEMM -> SwiGLU -> 1x128 requantization -> down grouped GEMM.
-
-  Both matmuls are `grouped_gemm.grouped_gemm_fp8` (E4M3 operands, float32 accumulation, bfloat16 output);
-  the SwiGLU runs in float32 on the bfloat16 gate/up output and is requantized with
-  `quant.quantize_fp8_blockwise`. Float activations and float weights are quantized here (1x128 and 128x128
-  blocks); FP8 ones are used as they are.
-
-  Gradients (a custom VJP) are bfloat16 and straight-through: the backward pass is that of the bfloat16 MLP
-  evaluated at the dequantized FP8 operands and the forward's gate/up rows, on the bf16 grouped GEMMs of
-  `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
-  it is evaluated. Float x and float weights get cotangents in their
-  own dtypes; FP8 inputs, scales and group_sizes get none.
-
-  Args:
-    x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
-      float8_e4m3fn with `x_sf`. hidden % 128 == 0.
-    group_sizes: int32 [G] rows per expert (see `grouped_gemm` for the clamping of each layout).
-    weights: the G experts' `ExpertWeights` (float, or FP8 with 128x128 block scales); 2 * ffn, ffn and hidden
-      must be multiples of 128.
-    x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
-    impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
-
-  Returns:
-    bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
-  """
-  op = "swiglu_mlp_fp8"
+def _fp8_mlp_static(op: str, x, x_sf, weights: ExpertWeights, impl: str) -> _Fp8MlpStatic:
+  """Checks the operands of the FP8 MLP; returns its static settings."""
   hidden = x.shape[-1]
   num_groups, ffn = _check_weights(op, weights, hidden)
   for name, v in (("hidden", hidden), ("ffn", ffn)):
@@ -470,8 +459,65 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
     raise TypeError(f"{op}: FP8 weights must be float8_e4m3fn, got {jnp.dtype(weights.w_gate_up.dtype).name}")
   st = _Fp8MlpStatic(impl=impl, x_dtype=None if fp8_x else jnp.dtype(x.dtype),
                      w_dtype=None if weights.is_fp8 else jnp.dtype(weights.w_gate_up.dtype))
+  return st
+
+
+def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
+                   x_sf: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
+  """The grouped SwiGLU MLP in FP8: gate/up grouped GEMM -> SwiGLU -> 1x128 requantization -> down grouped GEMM.
+
+  Both matmuls are `grouped_gemm.grouped_gemm_fp8` (E4M3 operands, float32 accumulation, bfloat16 output);
+  the SwiGLU runs in float32 on the bfloat16 gate/up output and is requantized with
+  `quant.quantize_fp8_blockwise`. Float activations and float weights are quantized here (1x128 and 128x128
+  blocks); FP8 ones are used as they are.
+
+  Gradients (a custom VJP) are bfloat16 and straight-through: the backward pass is that of the bfloat16 MLP
+  evaluated at the dequantized FP8 activations, the forward's gate/up rows and the weights (float weights rounded
+  to bfloat16 -- not their FP8 forms --, FP8 weights dequantized), on the bf16 grouped GEMMs of
+  `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
+  it is evaluated. Float x and float weights get cotangents in their
+  own dtypes; FP8 inputs, scales and group_sizes get none.
+
+  Args:
+    x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
+      float8_e4m3fn with `x_sf`. hidden % 128 == 0.
+    group_sizes: int32 [G] rows per expert (see `grouped_gemm` for the clamping of each layout).
+    weights: the G experts' `ExpertWeights` (float, or FP8 with 128x128 block scales); 2 * ffn, ffn and hidden
+      must be multiples of 128.
+    x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
+    impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
+
+  Returns:
+    bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
+  """
+  st = _fp8_mlp_static("swiglu_mlp_fp8", x, x_sf, weights, impl)
   return _mlp_fp8(st, x, x_sf, group_sizes.astype(jnp.int32), weights.w_gate_up, weights.w_gate_up_sf,
                   weights.w_down, weights.w_down_sf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  """`swiglu_mlp_fp8` of ``rows[perm.src_row]``, the rows quantized (1x128) before they are expanded to one per
+  assignment: the same codes, top_k times fewer rows to quantize, and FP8 rather than float rows permuted. The
+  gradient of the rows is the expansion's (a sum over each row's assignments)."""
+  return _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+
+
+def _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  q, q_sf = _quantize_rows(rows, st.impl)
+  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), q[perm.src_row], q_sf[perm.src_row],
+                        perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+  return y, (res, perm)
+
+
+def _mlp_fp8_rows_bwd(st, res, ct):
+  res, perm = res
+  dx, _, _, dw_gu, _, dw_dn, _ = _mlp_fp8_bwd(st, res, ct)
+  d_rows, _ = _expand_rows_bwd(perm, dx)
+  return d_rows, None, dw_gu, None, dw_dn, None
+
+
+_mlp_fp8_rows.defvjp(_mlp_fp8_rows_fwd, _mlp_fp8_rows_bwd)
 
 
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
@@ -537,12 +583,16 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     perm = _permutation(recv_topk_ids.reshape(-1, top_k), num_local_experts)
     if fp8_rows:
       x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
-    else:
-      x_sorted, sf_sorted = _expand_rows(rows, perm), None
-    x_sorted = checkpoint_name(x_sorted, "expert_rows")
+    elif gemm_impl is None:
+      x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm), "expert_rows"), None
   with jax.named_scope("experts"):
-    y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
-                        method=method, gemm_impl=gemm_impl, impl=impl)
+    if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
+      st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
+      y_sorted = _mlp_fp8_rows(st, rows, perm, weights.w_gate_up, weights.w_gate_up_sf, weights.w_down,
+                               weights.w_down_sf)
+    else:
+      y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
+                          method=method, gemm_impl=gemm_impl, impl=impl)
   with jax.named_scope("unpermute"):
     out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm)
   return out.reshape(num_ranks, capacity, hidden).astype(out_dtype)

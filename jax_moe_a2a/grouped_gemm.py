@@ -188,10 +188,10 @@ def _check_width(op: str, name: str, v: int) -> None:
     raise ValueError(f"{op}: {name} must be a positive multiple of 8 (16-byte rows), got {v}")
 
 
-def _bf16_scratch(num_groups: int, mode: int) -> jax.ShapeDtypeStruct:
+def _bf16_scratch(num_groups: int, mode: int, f32_out: bool = False) -> jax.ShapeDtypeStruct:
   nbytes = 0
   if jax.default_backend() == "gpu":
-    nbytes = int(_ffi.extension().grouped_gemm_scratch_bytes(int(num_groups), int(mode)))
+    nbytes = int(_ffi.extension().grouped_gemm_scratch_bytes(int(num_groups), int(mode), bool(f32_out)))
   return jax.ShapeDtypeStruct((nbytes,), jnp.uint8)
 
 
@@ -206,16 +206,17 @@ def _jax_grouped_gemm_bf16(a, b, group_sizes, *, b_layout):
   return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16)
 
 
-@jax.jit
-def _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes):
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes, *, out_dtype):
   """Pure-JAX twin of `grouped_gemm_bf16_wgrad`: one float32 product per group over its rows."""
   rows = a.shape[0]
   _, size = owned_rows(group_sizes, rows, masked=False)
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   live = (jnp.arange(rows) < jnp.sum(size))[:, None]
-  return jax.lax.ragged_dot_general(jnp.where(live, a, 0), jnp.where(live, b, 0), size, dims,
-                                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  d = jax.lax.ragged_dot_general(jnp.where(live, a, 0), jnp.where(live, b, 0), size, dims,
+                                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return d.astype(out_dtype)
 
 
 def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_layout: str = "nk",
@@ -259,9 +260,9 @@ def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_l
   return _jax_grouped_gemm_bf16(a, b, group_sizes, b_layout=b_layout)
 
 
-def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *,
+def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32,
                             impl: str = "auto") -> jax.Array:
-  """Per group, ``a[rows of g].T @ b[rows of g]``: the weight gradient of a grouped GEMM, in float32.
+  """Per group, ``a[rows of g].T @ b[rows of g]``: the weight gradient of a grouped GEMM (float32 accumulation).
 
   The contraction runs over each group's rows (grouped as in `grouped_gemm_bf16`), so it differs per group; a group
   that owns no rows gives zeros. For the forward ``y = grouped_gemm_bf16(x, w, ...)`` with w [G, N, K], the
@@ -271,10 +272,11 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
     a: bfloat16 [M, K] (e.g. the output cotangent dy), K a positive multiple of 8.
     b: bfloat16 [M, N] (e.g. the forward input x), N a positive multiple of 8.
     group_sizes: int32 [G] rows per group.
+    out_dtype: float32 or bfloat16 (the float32 sums rounded once; half the bytes to write).
     impl: "auto", "ffi" or "reference".
 
   Returns:
-    float32 [G, K, N].
+    [G, K, N] out_dtype.
   """
   op = "grouped_gemm_bf16_wgrad"
   _check_bf16(op, "a", a, 2)
@@ -286,8 +288,14 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
   num_groups = _check_group_sizes(op, group_sizes, None)
   _check_width(op, "K", k)
   _check_width(op, "N", n)
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    out_dtype = None
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
   if _ffi.resolve_impl(op, impl) == "ffi":
-    mode = _MODE["wgrad"]
-    out = (jax.ShapeDtypeStruct((num_groups, k, n), jnp.float32), _bf16_scratch(num_groups, mode))
+    mode, f32_out = _MODE["wgrad"], out_dtype == jnp.dtype(jnp.float32)
+    out = (jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), _bf16_scratch(num_groups, mode, f32_out))
     return _ffi.ffi_call("grouped_gemm_bf16", out, a, b, group_sizes, mode=np.int32(mode))[0]
-  return _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes)
+  return _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes, out_dtype=out_dtype)

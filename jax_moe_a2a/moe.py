@@ -577,7 +577,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), out_dtype=dtype,
-                                      compute_dtype=dtype, gemm_impl=config.gemm_impl)
+                                      compute_dtype=dtype, gemm_impl=config.gemm_impl, impl=config.impl)
   y = a2a.combine(expert_out, handle, out_dtype=jnp.float32)
   if config.num_shared_experts:
     with jax.named_scope("shared_experts"):

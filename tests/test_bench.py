@@ -105,3 +105,30 @@ def test_kernel_busy_us_is_the_slowest_devices_time_in_the_named_kernels_per_cal
   assert common.kernel_busy_us(kernels, "CombineKernel", calls=2) == 40.0  # GPU 1: 80 us over 2 calls
   assert common.kernel_busy_us(kernels, "DispatchKernel", calls=2) == 11.0  # GPU 0: 22 us over 2 calls
   assert common.kernel_busy_us(kernels, "nccl", calls=2) is None
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
+  bench_layer = _import_bench("bench_layer")
+  variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_stored"]
+  assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
+                           "2", "--runs", "2", "--input-sets", "2", "--variants", *variants,
+                           "--out", str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rec = json.loads(path.read_text())
+  got = {(r["variant"], r["mode"]) for r in rec["rows"]}
+  want = {(v, m) for v in variants for m in ("fwd", "fwd_bwd")} - {("fp8_stored", "fwd_bwd")}  # inference only
+  assert got == want
+  assert all(r["ms"] > 0 and r["tflops"] > 0 and r["temp_bytes"] >= 0 for r in rec["rows"])
+  assert path.with_suffix(".png").exists()
+
+
+def test_bench_layer_attributes_ops_to_their_innermost_stage():
+  bench_layer = _import_bench("bench_layer")
+  assert bench_layer._stage_of("jit(f)/shard_map/experts/permute/gather") == "permute"  # pylint: disable=protected-access
+  assert bench_layer._stage_of("jit(f)/transpose(jvp(shard_map))/router/dot_general") == "router"  # pylint: disable=protected-access
+  assert bench_layer._stage_of("jit(f)/einsum") == "other"  # pylint: disable=protected-access
+  names = bench_layer._op_names(  # pylint: disable=protected-access
+      '  %fusion.3 = bf16[4]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(f)/experts/mul" stack_frame_id=1}\n'
+      '  ROOT %custom-call.1 = f32[2]{0} custom-call(%a), metadata={op_name="jit(f)/moe_combine/x"}\n')
+  assert names == {"fusion.3": "jit(f)/experts/mul", "custom-call.1": "jit(f)/moe_combine/x"}

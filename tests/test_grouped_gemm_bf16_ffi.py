@@ -81,13 +81,15 @@ def test_grouped_gemm_bf16(impl, b_layout, sizes):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("sizes", SIZES)
-def test_grouped_gemm_bf16_wgrad(impl, sizes):
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_gemm_bf16_wgrad(impl, sizes, out_dtype):
   rng = np.random.default_rng(10 + sum(abs(s) for s in sizes))
   rows, k, n = 300, 48, 56
   a, b = _bf16(rng, (rows, k)), _bf16(rng, (rows, n))
   gs = jnp.asarray(sizes, jnp.int32)
-  got = jax.jit(lambda a, b, s: grouped_gemm.grouped_gemm_bf16_wgrad(a, b, s, impl=impl))(a, b, gs)
-  assert got.dtype == jnp.float32 and got.shape == (4, k, n)
+  got = jax.jit(lambda a, b, s: grouped_gemm.grouped_gemm_bf16_wgrad(a, b, s, out_dtype=out_dtype, impl=impl))(
+      a, b, gs)
+  assert got.dtype == out_dtype and got.shape == (4, k, n)
   got = _close(got, _oracle_wgrad(a, b, gs))
   for g, (_, s) in enumerate(_owned(sizes, rows)):
     if s == 0:
@@ -116,6 +118,7 @@ def test_ffi_and_twin_are_different_paths_that_agree():
     ("gemm", dict(sizes="i64"), TypeError, r"grouped_gemm_bf16: group_sizes must be an int32 array \[G\], got int64"),
     ("wgrad", dict(b=(9, 16)), ValueError, r"grouped_gemm_bf16_wgrad: b must be \[M, N\] with M = 8 \(from a\)"),
     ("wgrad", dict(b=(8, 4)), ValueError, r"grouped_gemm_bf16_wgrad: N must be a positive multiple of 8"),
+    ("wgrad", dict(out="f16"), ValueError, r"grouped_gemm_bf16_wgrad: out_dtype must be float32 or bfloat16, got float16"),
 ])
 def test_argument_errors(fn, args, error, match):
   def arr(spec):
@@ -129,19 +132,23 @@ def test_argument_errors(fn, args, error, match):
       grouped_gemm.grouped_gemm_bf16(a, arr(args.get("b", (2, 16, 16))), sizes, b_layout=args.get("layout", "nk"),
                                      impl="reference")
     else:
-      grouped_gemm.grouped_gemm_bf16_wgrad(a, arr(args.get("b", (8, 16))), sizes, impl="reference")
+      out_dtype = jnp.float16 if args.get("out") == "f16" else jnp.float32
+      grouped_gemm.grouped_gemm_bf16_wgrad(a, arr(args.get("b", (8, 16))), sizes, out_dtype=out_dtype,
+                                           impl="reference")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["nk", "kn", "wgrad"])
+@pytest.mark.parametrize("mode", ["nk", "kn", "wgrad", "wgrad_bf16"])
 def test_gpu_deepseek_shape(mode):
   """DeepSeek-V3 expert shapes on the GPU kernels: 8 groups of ragged rows (one empty), hidden 7168, ffn 2048."""
   rng = np.random.default_rng(6)
   sizes = jnp.asarray([1024, 0, 1, 777, 1000, 129, 513, 1024], jnp.int32)
   rows = int(sizes.sum()) + 5
-  if mode == "wgrad":
+  if mode.startswith("wgrad"):
     a, b = _bf16(rng, (rows, 4096)), _bf16(rng, (rows, 7168))
-    got = grouped_gemm.grouped_gemm_bf16_wgrad(a, b, sizes, impl="ffi")
+    out_dtype = jnp.bfloat16 if mode == "wgrad_bf16" else jnp.float32
+    got = grouped_gemm.grouped_gemm_bf16_wgrad(a, b, sizes, out_dtype=out_dtype, impl="ffi")
+    assert got.dtype == out_dtype
     got = _close(got, _oracle_wgrad(a, b, sizes))
     np.testing.assert_array_equal(got[1], 0)
   else:

@@ -18,7 +18,7 @@
 // bfloat16 operands, float32 accumulation, in three modes (attribute `mode`, grouped_gemm_bf16_kernels.cuh):
 //   0 (NT): a [M, K], b [G, N, K], d [M, N] bf16: d_g = a_g · b_gᵀ   (the forward product)
 //   1 (NN): a [M, K], b [G, K, N], d [M, N] bf16: d_g = a_g · b_g    (the data gradient)
-//   2 (TN): a [M, K], b [M, N],    d [G, K, N] f32: d[g] = a_gᵀ · b_g (the weight gradient)
+//   2 (TN): a [M, K], b [M, N],    d [G, K, N] f32 or bf16: d[g] = a_gᵀ · b_g (the weight gradient)
 // Rows of a (and of b in mode 2) are grouped as in the contiguous FP8 layout; rows of d no group owns, and d[g] of a
 // group that owns no rows, are zero. K and N must be positive multiples of 8 (16-byte rows).
 #include <cmath>
@@ -305,8 +305,10 @@ ffi::Error CheckGroupedGemmBf16(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b
     s->n = b_dims[n_dim];
   }
   const bool tn = mode == kModeTN;
-  const ffi::DataType want_d = tn ? ffi::DataType::F32 : ffi::DataType::BF16;
-  if (d->element_type() != want_d) return InvalidArg(kOpBf16, "d", DataTypeName(want_d), DataTypeName(d->element_type()));
+  const ffi::DataType d_type = d->element_type();
+  if (tn ? (d_type != ffi::DataType::F32 && d_type != ffi::DataType::BF16) : d_type != ffi::DataType::BF16) {
+    return InvalidArg(kOpBf16, "d", tn ? "float32 or bfloat16 (mode TN)" : "bfloat16", DataTypeName(d_type));
+  }
   if (tn ? !HasDims(*d, {s->groups, s->k, s->n}) : !HasDims(*d, {s->rows, s->n})) {
     return InvalidArg(kOpBf16, "d", tn ? Dims({s->groups, s->k, s->n}) : Dims({s->rows, s->n}),
                       DimsToString(d->dimensions()));
@@ -338,15 +340,14 @@ ffi::Error GroupedGemmBf16CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffe
   for (size_t i = 0; i < x.size(); ++i) x[i] = Bf16ToFloat(a_bits[i]);
 
   if (mode == kModeTN) {
-    auto* out = static_cast<float*>(d->untyped_data());
-    std::memset(out, 0, static_cast<size_t>(s.groups * s.k * s.n) * sizeof(float));
+    std::vector<float> out(static_cast<size_t>(s.groups * s.k * s.n), 0.0f);
     std::vector<float> y(static_cast<size_t>(s.rows * s.n));
     for (size_t i = 0; i < y.size(); ++i) y[i] = Bf16ToFloat(b_bits[i]);
     int64_t next = 0;
     for (int64_t g = 0; g < s.groups; ++g) {
       const int64_t requested = sizes[g] > 0 ? sizes[g] : 0;
       const int64_t count = requested < s.rows - next ? requested : s.rows - next;
-      float* dg = out + g * s.k * s.n;
+      float* dg = out.data() + g * s.k * s.n;
       // One output row at a time (it stays in cache) over the group's rows in ascending order: a fixed float32
       // summation order.
       for (int64_t kk = 0; kk < s.k; ++kk) {
@@ -358,6 +359,12 @@ ffi::Error GroupedGemmBf16CpuImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffe
         }
       }
       next += count;
+    }
+    if (d->element_type() == ffi::DataType::F32) {
+      std::memcpy(d->untyped_data(), out.data(), out.size() * sizeof(float));
+    } else {
+      auto* dst = static_cast<uint16_t*>(d->untyped_data());
+      for (size_t i = 0; i < out.size(); ++i) dst[i] = FloatToBf16(out[i]);
     }
     return ffi::Error::Success();
   }
@@ -428,6 +435,7 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
     args.b = b.untyped_data();
     args.group_sizes = group_sizes.typed_data();
     args.d = d->untyped_data();
+    args.d_bf16 = d->element_type() == ffi::DataType::BF16;
     args.num_groups = s.groups;
     args.rows = s.rows;
     args.n = s.n;
@@ -445,8 +453,8 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
 }  // namespace
 
 // Scratch bytes of the CUDA handler for `num_groups` groups on any visible GPU; 0 without one. `bf16_mode` < 0: the
-// FP8 op; else the bf16 op in that mode.
-size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode) {
+// FP8 op; else the bf16 op in that mode (mode 2 with a float32 d when `f32_out`).
+size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_out) {
 #ifdef JAX_MOE_A2A_WITH_CUDA
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -458,14 +466,15 @@ size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode) {
     int sm_count = 0;
     if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) continue;
     const size_t need = bf16_mode < 0 ? GroupedGemmFp8ScratchBytes(num_groups, sm_count)
-                                      : GroupedGemmBf16ScratchBytes(static_cast<Bf16GemmMode>(bf16_mode), num_groups,
-                                                                    sm_count);
+                                      : GroupedGemmBf16ScratchBytes(static_cast<Bf16GemmMode>(bf16_mode), !f32_out,
+                                                                    num_groups, sm_count);
     bytes = need > bytes ? need : bytes;
   }
   return bytes;
 #else
   (void)num_groups;
   (void)bf16_mode;
+  (void)f32_out;
   return 0;
 #endif
 }

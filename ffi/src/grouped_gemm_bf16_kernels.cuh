@@ -15,8 +15,8 @@ namespace jax_moe_a2a {
 //
 //   kNT (forward):        b [G, n, k] (k contiguous), d [rows, n] bf16:  d_g = a_g · b_gᵀ
 //   kNN (data gradient):  b [G, k, n] (n contiguous), d [rows, n] bf16:  d_g = a_g · b_g
-//   kTN (weight gradient): b [rows, n] (grouped like a), d [G, k, n] f32: d[g] = a_gᵀ · b_g (contraction over the
-//                          group's rows; a group with no rows gives zeros)
+//   kTN (weight gradient): b [rows, n] (grouped like a), d [G, k, n] f32 or bf16 (`d_bf16`): d[g] = a_gᵀ · b_g
+//                          (contraction over the group's rows; a group with no rows gives zeros)
 //
 // Rows of d that no group owns (kNT, kNN) are zeros. All products accumulate in float32.
 enum class Bf16GemmMode : int32_t { kNT = 0, kNN = 1, kTN = 2 };
@@ -27,6 +27,7 @@ struct GroupedGemmBf16Args {
   const void* b = nullptr;
   const int32_t* group_sizes = nullptr;
   void* d = nullptr;
+  bool d_bf16 = true;  // kTN only: d is bfloat16 (else float32); kNT and kNN always write bfloat16
   int64_t num_groups = 0;
   int64_t rows = 0;
   int64_t n = 0;
@@ -35,8 +36,9 @@ struct GroupedGemmBf16Args {
   size_t scratch_bytes = 0;
 };
 
-// Bytes of device scratch one call of `mode` needs (per-group argument arrays and the kernel's workspace).
-size_t GroupedGemmBf16ScratchBytes(Bf16GemmMode mode, int64_t num_groups, int sm_count);
+// Bytes of device scratch one call of `mode` (and, for kTN, output dtype) needs: per-group argument arrays and the
+// kernel's workspace.
+size_t GroupedGemmBf16ScratchBytes(Bf16GemmMode mode, bool d_bf16, int64_t num_groups, int sm_count);
 
 // Enqueues the grouped GEMM on `stream` (the current device must be the stream's). Returns an empty string on
 // success, otherwise what failed.

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -84,6 +85,7 @@ using ColumnMajor = cutlass::layout::ColumnMajor;
 using KernelNT = Bf16Kernel<RowMajor, ColumnMajor, Bf16>;   // a [rows, k], b [G, n, k]
 using KernelNN = Bf16Kernel<RowMajor, RowMajor, Bf16>;      // a [rows, k], b [G, k, n]
 using KernelTN = Bf16Kernel<ColumnMajor, RowMajor, float>;  // aᵀ: [k, rows] read from a [rows, k]; b [rows, n]
+using KernelTNBf16 = Bf16Kernel<ColumnMajor, RowMajor, Bf16>;  // the same with a bfloat16 d
 
 // ---------------------------------------------------------------------------------------------------------------
 // Per-group argument arrays, carved from the caller's scratch buffer
@@ -217,7 +219,7 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroUnownedRowsKernel(GroupedGem
   for (int64_t i = begin + threadIdx.x; i < end; i += kZeroThreads) d[i] = make_uint4(0, 0, 0, 0);
 }
 
-// kTN: zeroes d[g] of every group that owns no rows. Grid: (ceil(k * n / 4 / kZeroVecsPerBlock), num_groups).
+// kTN: zeroes d[g] of every group that owns no rows. Grid: (ceil(d[g] bytes / 16 / kZeroVecsPerBlock), num_groups).
 __global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(GroupedGemmBf16Args args) {
   using Scan = cub::BlockReduce<int64_t, kZeroThreads>;
   __shared__ typename Scan::TempStorage reduce_storage;
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(GroupedGem
   }
   __syncthreads();
   if (owned > 0) return;
-  const int64_t vecs = args.k * args.n / 4;  // 4 float per 16-byte store
+  const int64_t vecs = args.k * args.n / (args.d_bf16 ? 8 : 4);  // 16-byte stores per d[g]
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kZeroVecsPerBlock;
   const int64_t end = min(begin + kZeroVecsPerBlock, vecs);
   uint4* d = static_cast<uint4*>(args.d) + grp * vecs;
@@ -287,6 +289,7 @@ size_t ScratchBytes(int64_t num_groups, int sm_count) {
 template <class K, Bf16GemmMode kMode>
 std::string Launch(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args& args) {
   const size_t needed = ScratchBytes<K>(args.num_groups, sm_count);
+  static_assert(kMode == Bf16GemmMode::kTN || std::is_same_v<typename K::Element, Bf16>, "kNT, kNN write bf16");
   if (args.scratch_bytes < needed) {
     return "scratch holds " + std::to_string(args.scratch_bytes) + " bytes, the call needs " + std::to_string(needed);
   }
@@ -298,7 +301,7 @@ std::string Launch(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args&
   const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
   SetupGroupsKernel<K, kMode><<<1, kSetupThreads, 0, stream>>>(args, arrays);
   if constexpr (kMode == Bf16GemmMode::kTN) {
-    const int64_t vecs = args.k * args.n / 4;
+    const int64_t vecs = args.k * args.n / (args.d_bf16 ? 8 : 4);
     const dim3 grid(static_cast<unsigned>((vecs + kZeroVecsPerBlock - 1) / kZeroVecsPerBlock),
                     static_cast<unsigned>(args.num_groups));
     ZeroEmptyGroupsKernel<<<grid, kZeroThreads, 0, stream>>>(args);
@@ -336,11 +339,12 @@ std::string Launch(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args&
 
 }  // namespace
 
-size_t GroupedGemmBf16ScratchBytes(Bf16GemmMode mode, int64_t num_groups, int sm_count) {
+size_t GroupedGemmBf16ScratchBytes(Bf16GemmMode mode, bool d_bf16, int64_t num_groups, int sm_count) {
   switch (mode) {
     case Bf16GemmMode::kNT: return ScratchBytes<KernelNT>(num_groups, sm_count);
     case Bf16GemmMode::kNN: return ScratchBytes<KernelNN>(num_groups, sm_count);
-    case Bf16GemmMode::kTN: return ScratchBytes<KernelTN>(num_groups, sm_count);
+    case Bf16GemmMode::kTN:
+      return d_bf16 ? ScratchBytes<KernelTNBf16>(num_groups, sm_count) : ScratchBytes<KernelTN>(num_groups, sm_count);
   }
   return 0;
 }
@@ -351,7 +355,9 @@ std::string LaunchGroupedGemmBf16(cudaStream_t stream, int sm_count, const Group
   switch (args.mode) {
     case Bf16GemmMode::kNT: return Launch<KernelNT, Bf16GemmMode::kNT>(stream, sm_count, args);
     case Bf16GemmMode::kNN: return Launch<KernelNN, Bf16GemmMode::kNN>(stream, sm_count, args);
-    case Bf16GemmMode::kTN: return Launch<KernelTN, Bf16GemmMode::kTN>(stream, sm_count, args);
+    case Bf16GemmMode::kTN:
+      return args.d_bf16 ? Launch<KernelTNBf16, Bf16GemmMode::kTN>(stream, sm_count, args)
+                         : Launch<KernelTN, Bf16GemmMode::kTN>(stream, sm_count, args);
   }
   return "unknown mode " + std::to_string(static_cast<int>(args.mode));
 }

@@ -39,7 +39,7 @@ std::string IpcHandles(int64_t id, std::map<int, std::string>* handles);
 std::string OpenIpcPeers(int64_t id, const std::map<std::pair<int, int>, std::string>& handles);
 #endif
 std::string DestroyWorkspace(int64_t id);
-size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode);
+size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_out);
 }  // namespace jax_moe_a2a
 
 namespace jax_moe_a2a {
@@ -171,9 +171,9 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
       },
       py::arg("id"), "The sticky failure of a workspace, or an empty string.");
   m.def("grouped_gemm_scratch_bytes", &jax_moe_a2a::GroupedGemmScratchBytes, py::arg("num_groups"),
-        py::arg("bf16_mode") = -1,
+        py::arg("bf16_mode") = -1, py::arg("f32_out") = false,
         "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8 call (bf16_mode < 0) or jax_moe_a2a_grouped_gemm_bf16 "
-        "call in that mode, with `num_groups` groups on any visible GPU "
+        "call in that mode (mode 2: float32 output when f32_out), with `num_groups` groups on any visible GPU "
         "(0 without a GPU or without the CUDA handlers).");
   m.attr("ffi_api_version") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   // The protocol's piece size and sender block bound, for the tests that layout.PIECE_BYTES and layout.SCAN_BLOCKS
