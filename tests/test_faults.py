@@ -52,7 +52,8 @@ def _exchange(mesh, ws, axis="ep"):
   sharding = NamedSharding(mesh, spec)
 
   def body(x, ids, weights):
-    res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=axis, workspace=ws)
+    res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name=axis, workspace=ws,
+                               impl="reference" if ws is None else "ffi")
     out = a2a.combine((res.recv_x.astype(jnp.float32) * 2).astype(jnp.bfloat16), handle, out_dtype=jnp.float32)
     return res.recv_x[None], res.recv_topk_ids[None], res.recv_counts[None], out
 
@@ -264,7 +265,8 @@ def test_the_dispatch_vjp_s_exchanges_are_ordered_with_its_one_sided_combine():
 
   def body(x, x_sf, ids, weights):
     def f(x_sf, weights):
-      res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name="ep", x_sf=x_sf, workspace=ws)
+      res, handle = a2a.dispatch(x, ids, weights, num_experts=num_experts, axis_name="ep", x_sf=x_sf, workspace=ws,
+                                 impl="ffi")
       rows = res.recv_x.astype(jnp.float32) * res.recv_topk_weights[..., :1]
       return a2a.combine(rows, handle), res.recv_x_sf
     (y, sf), vjp = jax.vjp(f, x_sf, weights)
