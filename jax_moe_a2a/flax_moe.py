@@ -6,11 +6,27 @@ Both hold the parameters of `moe.init_params` (same names, shapes and shardings,
 
 FP8 expert weights (``config.fp8_weights``) and their scales are inference weights: the NNX module stores them
 as `FP8Weight` variables, not `nnx.Param`, so ``nnx.grad`` and optimizers over ``nnx.Param`` leave them alone.
+
+Custom calls. The expert GEMMs follow ``config.impl`` (``"auto"``: the grouped-GEMM custom calls wherever the
+extension has handlers). The exchange follows the layer's ``workspace`` argument:
+
+- ``"auto"`` (default): the one-sided dispatch/combine custom calls on GPUs (when ``config.impl`` resolves to
+  ``"ffi"`` and the extension has its CUDA handlers), the twin's collectives elsewhere; ``config.impl="ffi"``
+  takes the one-sided calls on any platform.
+- ``"on"``: the one-sided calls on any platform that has handlers (CPU included); ``"off"`` (or None): the
+  twin's collectives always.
+- an `a2a.Workspace`: that one (it must fit every call: `moe.make_workspace`).
+
+With ``"auto"``/``"on"`` the layer makes one workspace per (config, mesh, global token count) it is called with,
+sized for training (`moe.make_workspace(..., training=True)`), when the call is traced, and keeps it for later
+calls; `close_workspaces` frees them (also done at interpreter exit).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import atexit
+import math
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +34,45 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_moe_a2a import moe
+from jax_moe_a2a import _ffi, a2a, moe
+
+WORKSPACE_MODES = ("auto", "on", "off")
+WorkspaceArg = Union[str, a2a.Workspace]
+
+_workspaces: dict[tuple, a2a.Workspace] = {}
+
+
+def close_workspaces() -> None:
+  """Closes the workspaces the layers made (module docstring); later calls make new ones."""
+  for ws in _workspaces.values():
+    ws.close()
+  _workspaces.clear()
+
+
+atexit.register(close_workspaces)
+
+
+def _check_workspace_arg(op: str, workspace: Any) -> None:
+  if not isinstance(workspace, a2a.Workspace) and workspace is not None and workspace not in WORKSPACE_MODES:
+    raise ValueError(f"{op}: workspace must be one of {', '.join(map(repr, WORKSPACE_MODES))}, None (as 'off') or "
+                     f"an a2a.Workspace, got {workspace!r}")
+
+
+def _layer_workspace(workspace: WorkspaceArg, config: moe.MoEConfig, mesh: Mesh,
+                     x: jax.Array) -> Optional[a2a.Workspace]:
+  """The workspace one call of a layer takes (module docstring), made and kept on first use."""
+  if isinstance(workspace, a2a.Workspace):
+    return workspace
+  if workspace in (None, "off") or _ffi.resolve_impl("MoE", config.impl) != "ffi":
+    return None
+  if workspace == "auto" and config.impl != "ffi" and not (
+      _ffi.with_cuda() and all(d.platform == "gpu" for d in mesh.devices.flat)):
+    return None
+  num_tokens = math.prod(x.shape[:-1])
+  key = (config, mesh, num_tokens)
+  if key not in _workspaces or _workspaces[key].closed:
+    _workspaces[key] = moe.make_workspace(config, mesh, num_tokens, training=True)
+  return _workspaces[key]
 
 
 class FP8Weight(nnx.Variable):
@@ -41,18 +95,22 @@ class MoE(nnx.Module):
     y, aux = layer(x)   # x [num_tokens, hidden], sharded P(config.token_axes, None)
   """
 
-  def __init__(self, *, config: moe.MoEConfig, mesh: Mesh, rngs: nnx.Rngs):
+  def __init__(self, *, config: moe.MoEConfig, mesh: Mesh, rngs: nnx.Rngs, workspace: WorkspaceArg = "auto"):
     """Creates the parameters with `moe.init_params` on `mesh`.
 
     Args:
       config: the layer (a `moe.MoEConfig`).
       mesh: the mesh the layer runs on; must hold every axis the config names.
       rngs: an `nnx.Rngs` with a ``params`` stream.
+      workspace: ``"auto"``, ``"on"``, ``"off"``/None or an `a2a.Workspace`: how the exchange runs (module
+        docstring).
     """
     if not isinstance(config, moe.MoEConfig):
       raise TypeError(f"MoE: config must be a moe.MoEConfig, got {type(config).__name__}")
+    _check_workspace_arg("MoE", workspace)
     self.config = config
     self.mesh = mesh
+    self.workspace = workspace
     specs = moe.param_specs(config)
     values = moe.init_params(rngs.params(), config, mesh)
     self.param_names = tuple(values)
@@ -73,7 +131,8 @@ class MoE(nnx.Module):
     Returns:
       y: x's shape and dtype; aux: ``{"load_balance_loss": [] float32, "expert_load": [num_experts] int32}``.
     """
-    return moe.moe_apply(self.params(), x, self.config, self.mesh)
+    return moe.moe_apply(self.params(), x, self.config, self.mesh,
+                         workspace=_layer_workspace(self.workspace, self.config, self.mesh, x))
 
 
 class LinenMoE(nn.Module):
@@ -86,16 +145,20 @@ class LinenMoE(nn.Module):
   Attributes:
     config: the layer (a `moe.MoEConfig`).
     mesh: the mesh the layer runs on.
+    workspace: ``"auto"``, ``"on"``, ``"off"``/None or an `a2a.Workspace`: how the exchange runs (module
+      docstring).
   """
 
   config: moe.MoEConfig
   mesh: Mesh
+  workspace: Any = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`moe.moe_apply` on this layer's parameters; x and the results as for the NNX `MoE`."""
     if not isinstance(self.config, moe.MoEConfig):
       raise TypeError(f"LinenMoE: config must be a moe.MoEConfig, got {type(self.config).__name__}")
+    _check_workspace_arg("LinenMoE", self.workspace)
     specs = moe.param_specs(self.config)
     shapes = moe.param_shapes(self.config)
     values: Optional[dict[str, Any]] = None
@@ -109,4 +172,5 @@ class LinenMoE(nn.Module):
     params = {}
     for name, spec in specs.items():
       params[name] = self.param(name, nn.with_partitioning(init, tuple(spec), mesh=self.mesh), name)
-    return moe.moe_apply(params, x, self.config, self.mesh)
+    return moe.moe_apply(params, x, self.config, self.mesh,
+                         workspace=_layer_workspace(self.workspace, self.config, self.mesh, x))

@@ -1,6 +1,8 @@
 """Tests of the Flax layers (jax_moe_a2a.flax_moe): each equals `moe.moe_apply` on its own parameters, carries
 its parameters' shardings, and passes gradients to them."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import flax_moe, moe
+from jax_moe_a2a import _ffi, flax_moe, moe
 
 HIDDEN = 256
 
@@ -108,3 +110,55 @@ def test_modules_reject_a_non_config():
     flax_moe.MoE(config={}, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="LinenMoE: config must be a moe.MoEConfig, got int"):
     flax_moe.LinenMoE(config=42, mesh=mesh).init(jax.random.key(0), jnp.zeros((8, HIDDEN)))
+
+
+def _one_sided_calls(fn, *args) -> int:
+  return str(jax.make_jaxpr(fn)(*args)).count("jax_moe_a2a_dispatch")
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_workspace_auto_takes_the_twin_on_cpu_and_on_takes_the_one_sided_calls_with_the_same_result():
+  """On CPU "auto" keeps the twin's collectives; "on" makes (once) and uses a workspace; both give the same y and
+  gradients (the one-sided calls move the same bits; the GEMMs are the same)."""
+  config, mesh, x = _setup()
+  config = dataclasses.replace(config, impl="auto")
+  got = {}
+  for mode in ("auto", "on"):
+    layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace=mode)
+    fn = lambda layer, x: nnx.value_and_grad(lambda layer: _loss(layer(x)[0]))(layer)
+    one_sided = mode == "on" or jax.default_backend() == "gpu"
+    assert _one_sided_calls(lambda x: layer(x)[0], x) == (1 if one_sided else 0)
+    got[mode] = nnx.jit(fn)(layer, x)
+  assert len(flax_moe._workspaces) == 1  # pylint: disable=protected-access
+  ws = next(iter(flax_moe._workspaces.values()))  # pylint: disable=protected-access
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
+  layer(x)
+  assert next(iter(flax_moe._workspaces.values())) is ws  # pylint: disable=protected-access  (kept, not remade)
+  ws.check()
+  flax_moe.close_workspaces()
+  assert ws.closed and not flax_moe._workspaces  # pylint: disable=protected-access
+  (loss_a, g_a), (loss_b, g_b) = got["auto"], got["on"]
+  np.testing.assert_array_equal(np.asarray(loss_a), np.asarray(loss_b))
+  for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_linen_workspace_on_uses_the_one_sided_calls():
+  config, mesh, x = _setup()
+  layer = flax_moe.LinenMoE(config=config, mesh=mesh, workspace="on")
+  variables = layer.init(jax.random.key(0), x)
+  assert _one_sided_calls(lambda v: layer.apply(v, x)[0], variables) == 1
+  y = jax.jit(lambda v: layer.apply(v, x)[0])(variables)
+  y_ref = flax_moe.LinenMoE(config=config, mesh=mesh, workspace="off").apply(variables, x)[0]
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  flax_moe.close_workspaces()
+
+
+def test_modules_reject_an_unknown_workspace_mode():
+  config, mesh, x = _setup()
+  with pytest.raises(ValueError, match=r"MoE: workspace must be one of 'auto', 'on', 'off', None \(as 'off'\) or "
+                                       r"an a2a.Workspace, got 'yes'"):
+    flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(0), workspace="yes")
+  with pytest.raises(ValueError, match=r"LinenMoE: workspace must be one of .* got 1"):
+    flax_moe.LinenMoE(config=config, mesh=mesh, workspace=1).init(jax.random.key(0), x)
