@@ -334,7 +334,10 @@ def _stress(mesh_shape: tuple[int, int], dtype: str, steps: int) -> None:
 def _run_stress(mesh_shape, dtype, steps, timeout_s):
   cmd = [sys.executable, __file__, "stress", "x".join(map(str, mesh_shape)), dtype, str(steps)]
   try:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+    # The package may be a checkout rather than installed (as on the GPU machines): its root goes on the path.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"{steps} steps on a {mesh_shape} mesh did not finish in {timeout_s} s (a deadlock?):\n"
                 f"{(e.stdout or b'')[-3000:]}{(e.stderr or b'')[-3000:]}")
