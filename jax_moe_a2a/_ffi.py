@@ -99,7 +99,11 @@ def resolve_impl(op: str, impl: str) -> str:
 
 
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any):
-  """Calls FFI target ``jax_moe_a2a_<target>`` (registering the extension first) with `args` and `attrs`."""
+  """Calls FFI target ``jax_moe_a2a_<target>`` (registering the extension first) with `args` and `attrs`.
+
+  Under `jax.vmap` the call runs once per batch element, in order (``vmap_method="sequential"``): every handler
+  takes unbatched operands, and the one-sided calls then make one exchange per element on every rank alike.
+  """
   register()
-  call = jax.ffi.ffi_call(TARGET_PREFIX + target, result_shape_dtypes)
+  call = jax.ffi.ffi_call(TARGET_PREFIX + target, result_shape_dtypes, vmap_method="sequential")
   return call(*args, **attrs)
