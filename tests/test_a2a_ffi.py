@@ -596,7 +596,8 @@ def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype)
     def body(x, ids, weights, ct_rows, ct_w):
       def f(x, weights):
         rows, _, recv_w, _, _ = moe.wire_dispatch(x, ids, weights, wire_format=wire, num_experts=num_experts,
-                                                  axis_name=AXIS, dtype=jnp.float32, workspace=ws)
+                                                  axis_name=AXIS, dtype=jnp.float32, workspace=ws,
+                                                  impl="reference" if ws is None else "ffi")
         return rows, recv_w
       _, vjp = jax.vjp(f, x, weights)
       return vjp((ct_rows, ct_w))
@@ -627,13 +628,17 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
   params = moe.init_params(jax.random.key(0), cfg, mesh)
   x = jax.random.normal(jax.random.key(1), (8 * n, 256), jnp.float32)
   x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-  loss = lambda x, ws: jnp.sum(moe.moe_apply(params, x, cfg, mesh, workspace=ws)[0] ** 2)
+  # The two paths named: one-sided calls (and the quantization custom calls) against the twin everywhere.
+  configs = {"ffi": dataclasses.replace(cfg, impl="ffi"), "reference": dataclasses.replace(cfg, impl="reference")}
+  apply = lambda x, ws, impl: moe.moe_apply(params, x, configs[impl], mesh, workspace=ws)[0]
+  loss = lambda x, ws, impl: jnp.sum(apply(x, ws, impl) ** 2)
   with moe.make_workspace(cfg, mesh, 8 * n) as ws:
-    y_ffi, _ = moe.moe_apply(params, x, cfg, mesh, workspace=ws)
-    g_ffi = jax.grad(loss)(x, ws)
+    assert "jax_moe_a2a_dispatch" in str(jax.make_jaxpr(lambda x: apply(x, ws, "ffi"))(x))
+    y_ffi = apply(x, ws, "ffi")
+    g_ffi = jax.grad(loss)(x, ws, "ffi")
     ws.check()
-  y_ref, _ = moe.moe_apply(params, x, cfg, mesh)
-  g_ref = jax.grad(loss)(x, None)
+  y_ref = apply(x, None, "reference")
+  g_ref = jax.grad(loss)(x, None, "reference")
   np.testing.assert_allclose(np.asarray(y_ffi), np.asarray(y_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(y_ref))))
   np.testing.assert_allclose(np.asarray(g_ffi), np.asarray(g_ref), rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(g_ref))))
 
