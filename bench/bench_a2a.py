@@ -44,8 +44,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (device_kernels, kernel_busy_us, plot_if_possible, print_kernel_table, save_plot,  # noqa: E402
-                    span_us, steady_us, time_per_call, write_result)
+from common import (device_kernels, int_in, kernel_busy_us, nonnegative_int, plot_if_possible,  # noqa: E402
+                    positive_int, print_kernel_table, save_plot, span_us, steady_us, time_per_call, write_result)
 
 from jax_moe_a2a import a2a, layout, quant  # noqa: E402
 
@@ -118,23 +118,23 @@ def _draw(plt, rec):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 4096], help="tokens per rank")
+  p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8, 128, 512, 4096], help="tokens per rank")
   p.add_argument("--formats", nargs="+", default=[layout.BF16, layout.FP8_BLOCKWISE])
-  p.add_argument("--hidden", type=int, default=7168)
-  p.add_argument("--top-k", type=int, default=8)
-  p.add_argument("--experts", type=int, default=256)
-  p.add_argument("--chain", type=int, default=10, help="calls per jitted chain")
-  p.add_argument("--runs", type=int, default=30)
+  p.add_argument("--hidden", type=positive_int, default=7168)
+  p.add_argument("--top-k", type=positive_int, default=8)
+  p.add_argument("--experts", type=positive_int, default=256)
+  p.add_argument("--chain", type=positive_int, default=10, help="calls per jitted chain")
+  p.add_argument("--runs", type=positive_int, default=30)
   p.add_argument("--out", default=None)
   p.add_argument("--plot", default=None, help="only plot this result file")
   p.add_argument("--impls", nargs="+", default=["ffi", "twin", "all_to_all", "ragged"],
                  choices=["ffi", "twin", "all_to_all", "ragged"])
   p.add_argument("--kernels", action="store_true", help="also print each chain's GPU kernels (profiler trace)")
   p.add_argument("--vjp", action="store_true", help="also time combine's VJP (combine_vjp rows)")
-  p.add_argument("--processes", type=int, default=1,
+  p.add_argument("--processes", type=positive_int, default=1,
                  help="one process per GPU under jax.distributed (this many, each on its own GPU)")
-  p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set for the workers
-  p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--process-id", type=nonnegative_int, default=None, help=argparse.SUPPRESS)  # set for the workers
+  p.add_argument("--port", type=int_in(1, 65535), default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.plot:
     print("wrote", _plot(args.plot))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_if_possible, save_plot, time_per_call, write_result  # noqa: E402
+from common import plot_if_possible, positive_int, save_plot, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
@@ -150,14 +150,22 @@ def _draw(plt, rec):
   return fig
 
 
+def _shape(text: str) -> str:
+  """argparse type of --shapes: "NxK" with positive N and K (kept as text: the run parses it)."""
+  parts = text.split("x")
+  if len(parts) != 2 or not all(v.isdigit() and int(v) > 0 for v in parts):
+    raise argparse.ArgumentTypeError(f"must be NxK with positive ints N and K (e.g. 4096x7168), got {text!r}")
+  return text
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--groups", type=int, nargs="+", default=[32, 8], help="local experts")
-  p.add_argument("--rows", type=int, nargs="+", default=[128, 512, 1024, 4096], help="rows per expert")
-  p.add_argument("--shapes", type=str, nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK")
+  p.add_argument("--groups", type=positive_int, nargs="+", default=[32, 8], help="local experts")
+  p.add_argument("--rows", type=positive_int, nargs="+", default=[128, 512, 1024, 4096], help="rows per expert")
+  p.add_argument("--shapes", type=_shape, nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK")
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-  p.add_argument("--calls", type=int, default=2, help="calls per jitted run (distinct activations)")
-  p.add_argument("--max-runs", type=int, default=30, help="timed runs at most (median reported)")
+  p.add_argument("--calls", type=positive_int, default=2, help="calls per jitted run (distinct activations)")
+  p.add_argument("--max-runs", type=positive_int, default=30, help="timed runs at most (median reported)")
   p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
   p.add_argument("--plot", default=None, help="only plot this result file")
   args = p.parse_args(argv)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_if_possible, save_plot, time_per_call, write_result  # noqa: E402
+from common import plot_if_possible, positive_int, save_plot, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import moe  # noqa: E402
 
@@ -299,16 +299,16 @@ def _plot(path):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="tokens per device")
-  p.add_argument("--local-experts", type=int, default=32, help="routed experts per device (default 32)")
-  p.add_argument("--hidden", type=int, default=7168)
-  p.add_argument("--ffn", type=int, default=2048)
-  p.add_argument("--top-k", type=int, default=8)
+  p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 16384], help="tokens per device")
+  p.add_argument("--local-experts", type=positive_int, default=32, help="routed experts per device (default 32)")
+  p.add_argument("--hidden", type=positive_int, default=7168)
+  p.add_argument("--ffn", type=positive_int, default=2048)
+  p.add_argument("--top-k", type=positive_int, default=8)
   p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
-  p.add_argument("--twin-max-tokens", type=int, default=4096, help="largest token count the twin runs at")
-  p.add_argument("--runs", type=int, default=20, help="timed runs (median reported; fewer for slow steps)")
-  p.add_argument("--input-sets", type=int, default=3, help="distinct activation sets rotated between runs")
+  p.add_argument("--twin-max-tokens", type=positive_int, default=4096, help="largest token count the twin runs at")
+  p.add_argument("--runs", type=positive_int, default=20, help="timed runs (median reported; fewer for slow steps)")
+  p.add_argument("--input-sets", type=positive_int, default=3, help="distinct activation sets rotated between runs")
   p.add_argument("--no-stages", action="store_true", help="skip the per-stage profiler trace")
   p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
   p.add_argument("--plot", default=None, help="only plot this result file")

@@ -16,19 +16,20 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import time_per_call, write_result  # noqa: E402
+from common import int_in, positive_int, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import quant  # noqa: E402
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--m", type=int, nargs="+", default=[1024, 4096, 16384], help="rows (tokens)")
-  p.add_argument("--k", type=int, default=7168, help="hidden size, a multiple of 128")
-  p.add_argument("--calls", type=int, default=16, help="calls per jitted run (distinct inputs)")
-  p.add_argument("--runs", type=int, default=40, help="timed runs; the median is reported")
-  p.add_argument("--repeats", type=int, default=2, help="time each variant this many times, interleaved, to show "
-                 "the spread between identical measurements")
+  p.add_argument("--m", type=positive_int, nargs="+", default=[1024, 4096, 16384], help="rows (tokens)")
+  p.add_argument("--k", type=int_in(128, multiple_of=128), default=7168, help="hidden size, a multiple of 128")
+  p.add_argument("--calls", type=positive_int, default=16, help="calls per jitted run (distinct inputs)")
+  p.add_argument("--runs", type=positive_int, default=40, help="timed runs; the median is reported")
+  p.add_argument("--repeats", type=positive_int, default=2,
+                 help="time each variant this many times, interleaved, to show the spread between identical "
+                      "measurements")
   p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
   args = p.parse_args(argv)
 

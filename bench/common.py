@@ -13,6 +13,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+# The command line's argparse types (a bad value is a usage error naming the option), for the scripts' parsers.
+from jax_moe_a2a.demo import int_in, nonnegative_int, positive_int  # noqa: F401  pylint: disable=W0611
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

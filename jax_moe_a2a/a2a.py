@@ -608,30 +608,73 @@ class Workspace:
     top_k: experts per token.
     fmt: wire format (`layout.FORMATS`), sizing the activation and scale regions.
     combine_dtype: dtype of combine's expert_out rows (bfloat16 or float32).
-    timeout_s: how long a rank waits for its peers before failing.
+    timeout_s: how long a rank waits for its peers before failing, in [MIN_TIMEOUT_S, MAX_TIMEOUT_S] seconds.
     mx_alignment: see `layout.dispatch_layout`.
     training: also give each received activation row room for the rows that combine's VJP dispatches
       (``hidden`` values of combine_dtype), so that VJP takes the one-sided call whatever the wire format; with
       an FP8 wire and bf16 rows this doubles the activation receive regions. Without it gradients still work:
       combine's VJP takes the twin's exchange where its rows do not fit the wire's (`fits_dispatch_rows`).
+
+  Raises:
+    TypeError: mesh is not a `jax.sharding.Mesh`.
+    ValueError: any other argument of the wrong type or out of range, before anything reaches the extension; the
+      message names the argument, what it accepts and the value.
+    RuntimeError: the extension could not create the workspace (e.g. device memory).
   """
+
+  # Accepted ranges, from what the handlers take: the timeout travels as int64 nanoseconds, which the CPU
+  # meeting adds to the steady clock and the process-group set-up turns into milliseconds (hence the bounds); slots
+  # and received-row counts are int32 (send_slot, recv_counts), so capacity fits an int32; offsets and the block
+  # size are int64 bytes.
+  MIN_TIMEOUT_S = 1e-3
+  MAX_TIMEOUT_S = 1e6
+  MAX_CAPACITY = 2**31 - 1
+  MAX_BYTES = 2**63 - 1
 
   def __init__(self, mesh: jax.sharding.Mesh, *, expert_axis: Hashable, capacity: int, hidden: int, top_k: int,
                fmt: str = layout.BF16, combine_dtype: Any = jnp.bfloat16, timeout_s: float = 10.0,
                mx_alignment: Optional[int] = None, training: bool = False):
+    # Type and range checks (the extension gets only values it can hold)
+    op = "Workspace"
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     axes = expert_axis if isinstance(expert_axis, tuple) else (expert_axis,)
     for a in axes:
       if a not in mesh.axis_names:
-        raise ValueError(f"Workspace: expert_axis must name axes of the mesh {tuple(mesh.axis_names)}, got {a!r}")
-    if not timeout_s > 0:
-      raise ValueError(f"Workspace: timeout_s must be > 0, got {timeout_s!r}")
-    combine_dtype = jnp.dtype(combine_dtype)
+        raise ValueError(f"{op}: expert_axis must name axes of the mesh {tuple(mesh.axis_names)}, got {a!r}")
+    if not axes or len(set(axes)) != len(axes):
+      raise ValueError(f"{op}: expert_axis must be an axis name or a non-empty tuple of distinct ones, "
+                       f"got {expert_axis!r}")
+    capacity = Workspace._int_arg(op, "capacity", capacity, 1, Workspace.MAX_CAPACITY)
+    hidden = Workspace._int_arg(op, "hidden", hidden, 1)
+    top_k = Workspace._int_arg(op, "top_k", top_k, 1)
+    if mx_alignment is not None:
+      mx_alignment = Workspace._int_arg(op, "mx_alignment", mx_alignment, 1)
+    if not isinstance(fmt, str) or fmt not in layout.FORMATS:
+      raise ValueError(f"{op}: fmt must be one of {', '.join(layout.FORMATS)}, got {fmt!r}")
+    if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
+        or not Workspace.MIN_TIMEOUT_S <= timeout_s <= Workspace.MAX_TIMEOUT_S:  # False for nan
+      raise ValueError(f"{op}: timeout_s must be a number of seconds in [{Workspace.MIN_TIMEOUT_S:g}, "
+                       f"{Workspace.MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+    try:
+      combine_dtype = jnp.dtype(combine_dtype)
+    except TypeError:
+      combine_dtype = None
     if combine_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-      raise ValueError(f"Workspace: combine_dtype must be bfloat16 or float32, got {combine_dtype}")
+      raise ValueError(f"{op}: combine_dtype must be bfloat16 or float32, got {combine_dtype!r}")
+    if not isinstance(training, (bool, np.bool_)):
+      raise ValueError(f"{op}: training must be a bool, got {training!r}")
     num_ranks = int(np.prod([mesh.shape[a] for a in axes]))
-    self.layout = layout.workspace_layout(num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
-                                          fmt=fmt, combine_dtype_bytes=combine_dtype.itemsize,
-                                          mx_alignment=mx_alignment, training=bool(training))
+    try:
+      self.layout = layout.workspace_layout(num_ranks=num_ranks, capacity=capacity, hidden=hidden, top_k=top_k,
+                                            fmt=fmt, combine_dtype_bytes=combine_dtype.itemsize,
+                                            mx_alignment=mx_alignment, training=bool(training))
+    except ValueError as e:
+      raise ValueError(f"{op}: {e}") from None
+    if self.layout.total_bytes > Workspace.MAX_BYTES:
+      raise ValueError(f"{op}: the block of one device must be at most 2**63 - 1 bytes, got "
+                       f"{self.layout.total_bytes} for capacity={capacity}, hidden={hidden}, top_k={top_k}, "
+                       f"{num_ranks} ranks and fmt={fmt!r}")
     self.expert_axis = expert_axis
     self.training = bool(training)
     self.num_ranks = num_ranks
@@ -659,6 +702,15 @@ class Workspace:
         self.close()
         raise
     _ffi.register()
+
+  @staticmethod
+  def _int_arg(op: str, name: str, v: Any, low: int, high: Optional[int] = None) -> int:
+    """``v`` as a Python int (NumPy integers too, bools not) in ``[low, high]``, else ValueError."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and low <= v \
+        and (high is None or v <= high):
+      return int(v)
+    expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{op}: {name} must be an int {expected}, got {v!r}")
 
   # Every process creates its workspaces in the same order; the sequence number names their exchanged handles.
   _sequence = 0

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 SIMULATED_CPU_DEVICES = 8
@@ -43,29 +44,76 @@ def simulate_cpu_devices(count: int = SIMULATED_CPU_DEVICES) -> bool:
   return True
 
 
+# Argument types of the command line (also the bench scripts'): a bad value is a usage error (exit status 2) that
+# names the option, what it accepts and what it got, instead of a traceback or a nan further on.
+
+
+def int_in(low: int, high: Optional[int] = None, *, multiple_of: int = 1) -> Callable[[str], int]:
+  """An argparse ``type=`` for ints in ``[low, high]`` (no upper bound for None) that are multiples of
+  `multiple_of`."""
+  what = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+  if multiple_of != 1:
+    what += f", a multiple of {multiple_of}"
+
+  def parse(text: str) -> int:
+    try:
+      v = int(text)
+    except ValueError:
+      v = None
+    if v is None or v < low or (high is not None and v > high) or v % multiple_of:
+      raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return v
+
+  parse.__name__ = what
+  return parse
+
+
+def float_in(low: float, high: Optional[float] = None) -> Callable[[str], float]:
+  """An argparse ``type=`` for finite floats in ``[low, high]`` (no upper bound for None)."""
+  what = f"a finite float >= {low}" if high is None else f"a finite float in [{low}, {high}]"
+
+  def parse(text: str) -> float:
+    try:
+      v = float(text)
+    except ValueError:
+      v = math.nan
+    if not math.isfinite(v) or v < low or (high is not None and v > high):
+      raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return v
+
+  parse.__name__ = what
+  return parse
+
+
+positive_int = int_in(1)
+nonnegative_int = int_in(0)
+seed_int = int_in(-2**63, 2**63 - 1)  # what jax.random.key takes
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m jax_moe_a2a demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--wire", choices=("bf16", "fp8_blockwise"), default="bf16",
                  help="wire format of the dispatched activations (default: bf16)")
-  p.add_argument("--experts", type=int, default=64, help="routed experts (default: 64)")
-  p.add_argument("--top-k", type=int, default=6, help="experts per token (default: 6)")
-  p.add_argument("--hidden", type=int, default=1024, help="model width (default: 1024)")
-  p.add_argument("--ffn", type=int, default=512, help="intermediate width of one expert (default: 512)")
-  p.add_argument("--tokens", type=int, default=256,
+  p.add_argument("--experts", type=positive_int, default=64, help="routed experts (default: 64)")
+  p.add_argument("--top-k", type=positive_int, default=6, help="experts per token (default: 6)")
+  p.add_argument("--hidden", type=positive_int, default=1024, help="model width (default: 1024)")
+  p.add_argument("--ffn", type=positive_int, default=512, help="intermediate width of one expert (default: 512)")
+  p.add_argument("--tokens", type=positive_int, default=256,
                  help="tokens per device (per tp group under --tp; default: 256)")
-  p.add_argument("--data", type=int, default=1,
+  p.add_argument("--data", type=positive_int, default=1,
                  help="size of the data axis; the rest of the devices form the expert axis (default: 1)")
-  p.add_argument("--tp", type=int, default=1,
+  p.add_argument("--tp", type=positive_int, default=1,
                  help="size of a tensor-parallel axis over which tokens arrive replicated; >1 gives the mesh "
                       "(data, tp) with the experts over both axes (default: 1, no tp axis)")
   p.add_argument("--sequence-parallel", action="store_true",
                  help="MoE sequence parallelism: each tp rank routes and computes 1/tp of the tokens (needs --tp)")
   p.add_argument("--router", choices=("softmax", "deepseek_v3"), default="softmax",
                  help="softmax top-k, or DeepSeek-V3 grouped sigmoid routing (default: softmax)")
-  p.add_argument("--n-group", type=int, default=8, help="deepseek_v3: expert groups (default: 8)")
-  p.add_argument("--topk-group", type=int, default=4, help="deepseek_v3: groups kept per token (default: 4)")
-  p.add_argument("--shared-experts", type=int, default=0, help="shared experts (default: 0)")
+  p.add_argument("--n-group", type=positive_int, default=8, help="deepseek_v3: expert groups (default: 8)")
+  p.add_argument("--topk-group", type=positive_int, default=4,
+                 help="deepseek_v3: groups kept per token (default: 4)")
+  p.add_argument("--shared-experts", type=nonnegative_int, default=0, help="shared experts (default: 0)")
   p.add_argument("--fp8-weights", action="store_true", help="routed expert weights in FP8 with 128x128 block scales")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                  help="compute dtype of the layer (default: bfloat16)")
@@ -75,9 +123,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--gemm", choices=("dtype", "ffi", "reference"), default="dtype",
                  help="routed experts' matmuls: in the compute dtype (default), or in FP8 on the grouped GEMM custom "
                       "call (ffi) or its pure-JAX twin (reference)")
-  p.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step (default: 5)")
-  p.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
-  p.add_argument("--max-calc-diff", type=float, default=None,
+  p.add_argument("--steps", type=positive_int, default=5, help="timed steps after one warm-up step (default: 5)")
+  p.add_argument("--seed", type=seed_int, default=0, help="PRNG seed (default: 0)")
+  p.add_argument("--max-calc-diff", type=float_in(0.0), default=None,
                  help="pass limit on calc_diff of the output and of every gradient (default: 4e-3 with FP8 "
                       "experts, 2e-3 with an FP8 wire or FP8 weights, 1e-4 otherwise)")
   return p

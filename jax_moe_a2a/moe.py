@@ -124,7 +124,18 @@ class MoEConfig:
 
   def __post_init__(self):
     op = "MoEConfig"
-    for name in ("num_experts", "top_k", "hidden", "ffn"):
+    # NumPy scalars (np.int64(128), np.float32(2.5), np.True_) become Python ones, so that the fields, the hash and
+    # every static argument made from them are plain Python values; a bool is never taken for an int.
+    for name in ("num_experts", "top_k", "hidden", "ffn", "n_group", "topk_group", "num_shared_experts",
+                 "shared_ffn"):
+      if _is_int(getattr(self, name)):
+        object.__setattr__(self, name, int(getattr(self, name)))
+    if isinstance(self.routed_scaling_factor, np.floating):
+      object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
+    for name in ("renormalize", "sequence_parallel", "fp8_weights"):
+      if isinstance(getattr(self, name), np.bool_):
+        object.__setattr__(self, name, bool(getattr(self, name)))
+    for name in ("num_experts", "top_k", "hidden", "ffn", "n_group", "topk_group"):
       v = getattr(self, name)
       if not _is_int(v) or v <= 0:
         raise ValueError(f"{op}: {name} must be a positive int, got {v!r}")
@@ -631,6 +642,30 @@ def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[a2a
   return y, {"load_balance_loss": loss, "expert_load": load}
 
 
+def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: Mesh) -> Any:
+  """x resharded to the layer's ``P(token_axes, None, ...)`` on the Explicit axes of `mesh` (none: x as it is).
+
+  shard_map takes an input whose sharding over Auto axes differs from its in_specs (it reshards), but over
+  Explicit axes (`jax.make_mesh`'s default) it requires the input's to be the in_specs'. `jax.sharding.reshard`
+  (a device_put for a concrete array, a sharding cast under jit) gives x that sharding: the spec restricted to
+  the Explicit axes, as x's type records it.
+  """
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+  if not explicit:
+    return x
+
+  def on_explicit(spec) -> tuple:
+    entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+    axes = [tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a in explicit) for e in entries]
+    return tuple(None if not e else e[0] if len(e) == 1 else e for e in axes)
+
+  want = on_explicit(P(config.token_axes or None, *([None] * (x.ndim - 1))))
+  have = jax.typeof(x).sharding
+  if have.mesh == mesh.abstract_mesh and on_explicit(have.spec) == want:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, P(*want)))
+
+
 def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Mesh, *,
               workspace: Optional[a2a.Workspace] = None,
               gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -644,6 +679,7 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       `param_specs`: routed experts sharded over expert_axis on dim 0, the rest replicated).
     x: [num_tokens, hidden] or [batch, seq, hidden] bfloat16/float16/float32, dim 0 sharded over
       `config.token_axes` (``P(token_axes, None)``), replicated over the other axes (tp_axis in particular).
+      An x sharded otherwise (or not committed to the mesh) is resharded to that, also over Explicit mesh axes.
     config: the layer.
     mesh: a mesh holding every axis the config names.
     workspace: an `a2a.Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
@@ -671,7 +707,7 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   sizes = _mesh_axes(op, config, mesh)
   _check_params(op, params, config)
   _check_x(op, x, config, sizes)
-  return _moe_apply(dict(params), x, config, mesh, workspace)
+  return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace)
 
 
 def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s: float = 10.0,
