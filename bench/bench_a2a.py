@@ -10,12 +10,13 @@ size and wire format it times, per call (median of many runs after warm-up, fres
   all_to_all-based dispatch has to move: every slot, routed or not);
 - ``ragged``: the bare ``jax.lax.ragged_all_to_all`` of the routed rows only (dispatch direction).
 
-"chain" times a jit of `--chain` calls on distinct inputs (launch cost amortized); "single" a jit of one call;
-"gpu" is the device time per call in one chain: from a profiler trace, the slowest local GPU's span from its first
-kernel's start to its last kernel's end (waits included, host launch cost not), divided by the calls. Combine
-is timed as dispatch + combine minus dispatch alone, each way. "kernel" (ffi and all_to_all) is the slowest
-GPU's time per call inside the op's own kernel (the custom call's, or NCCL's), read from the same trace: for
-combine a direct figure, where "gpu" is a difference. "steady" repeats "gpu" and "kernel" over the calls of
+"chain" times a jit of `--chain` calls on distinct inputs (launch cost amortized; two such input sets, used in
+turn); "single" a jit of one call; "gpu" is the device time per call in one chain: from a profiler trace, the
+slowest local GPU's span from its first kernel's start to its last kernel's end (waits included, host launch cost
+not), divided by the calls. Combine needs a dispatch's handle: its chain is one dispatch followed by `--chain`
+combines of distinct expert outputs, and its per-call figures are that chain's less one dispatch (the dispatch
+chain's per-call figure), over the combines; it has no "single" figure. "kernel" (ffi and all_to_all) is the
+slowest GPU's time per call inside the op's own kernel (the custom call's, or NCCL's), read from the same trace. "steady" repeats "gpu" and "kernel" over the calls of
 the chain after its first (fields steady_gpu_us, steady_kernel_us): the first call of a chain is where a device
 started earlier by the host waits for its peer, in any implementation that synchronizes devices.
 GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb_per_s) and over the gpu time
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     d = layout.dispatch_layout(args.hidden, fmt, top_k=args.top_k)
     for tokens in args.tokens:
       made = [_inputs(jax.random.key(1000 * tokens + i), mesh, num_ranks, tokens, args.hidden, args.top_k,
-                      args.experts, fmt) for i in range(args.chain)]
+                      args.experts, fmt) for i in range(2 * args.chain)]  # two chains' worth
       sets, ids0 = [m[0] for m in made], made[0][1]
       pairs = _nvlink_pairs(ids0, num_ranks, args.experts)
       ws = a2a.Workspace(mesh, expert_axis=AXIS, capacity=tokens, hidden=args.hidden, top_k=args.top_k, fmt=fmt,
@@ -179,10 +180,21 @@ def main(argv=None) -> int:
         f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 * n), out_specs=[spec] * n, check_vma=False)
         return jax.jit(f)
 
-      # The expert output that combine sends back: a bf16 input of its own, so that nothing but the two custom
-      # calls runs between them (combine's time is that of the pair minus that of dispatch alone).
-      expert_out = _global(mesh, jax.random.normal(jax.random.key(tokens), (num_ranks * num_ranks, tokens, args.hidden),
-                                                   jnp.bfloat16))
+      # The expert outputs that combine sends back: bf16 inputs of their own, so that nothing but the custom calls
+      # runs between them; a distinct one for each combine of a chain, two chains' worth.
+      eo_shape = (num_ranks * num_ranks, tokens, args.hidden)
+      expert_outs = [_global(mesh, jax.random.normal(jax.random.key(tokens + 7919 * i), eo_shape, jnp.bfloat16))
+                     for i in range(2 * args.chain)]
+      expert_out = expert_outs[0]
+
+      def combines_fn(impl, n):
+        """One dispatch, then n combines of distinct bf16 expert outputs on its handle."""
+        def body(x, x_sf, ids, w, *eos):
+          _, h = a2a.dispatch(x, ids, w, num_experts=args.experts, axis_name=AXIS, x_sf=x_sf if has_sf else None,
+                              workspace=ws if impl == "ffi" else None, impl=impl)
+          return [a2a.combine(eo, h) for eo in eos]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (4 + n), out_specs=[spec] * n,
+                                     check_vma=False))
 
       def pair_fn(impl, n):
         """n x (dispatch + combine of a bf16 expert output)."""
@@ -225,13 +237,14 @@ def main(argv=None) -> int:
                  steady_kernel_us=None):
         gbps = nbytes / chain_s / 1e9 if chain_s else float("nan")
         rows.append({"tokens_per_rank": tokens, "fmt": fmt, "op": op, "impl": impl, "chain_us": chain_s * 1e6,
-                     "single_us": single_s * 1e6, "gpu_us": gpu_us, "kernel_us": kernel_us,
+                     "single_us": None if single_s is None else single_s * 1e6, "gpu_us": gpu_us,
+                     "kernel_us": kernel_us,
                      "steady_gpu_us": steady_gpu_us, "steady_kernel_us": steady_kernel_us,
                      "nvlink_bytes_per_gpu": nbytes, "gb_per_s": gbps,
                      "gpu_gb_per_s": nbytes / gpu_us / 1e3 if gpu_us else None})
-        gpu, kern, s_gpu, s_kern = ("-" if v is None else f"{v:.1f}"
-                                    for v in (gpu_us, kernel_us, steady_gpu_us, steady_kernel_us))
-        say(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single_s * 1e6:>9.1f} {gpu:>8} "
+        single, gpu, kern, s_gpu, s_kern = ("-" if v is None else f"{v:.1f}" for v in (
+            None if single_s is None else single_s * 1e6, gpu_us, kernel_us, steady_gpu_us, steady_kernel_us))
+        say(f"{tokens:>6} {fmt:>13} {op:>8} {impl:>10} {chain_s * 1e6:>9.1f} {single:>9} {gpu:>8} "
             f"{kern:>9} {gbps:>7.1f} {s_gpu:>8} {s_kern:>9}", flush=True)
 
       def gpu_span_us(fn, fn_args, label, own_kernel=None):
@@ -247,9 +260,10 @@ def main(argv=None) -> int:
         steady = steady_us(kernels, own_kernel, args.chain) if own_kernel else (None, None)
         return (max(spans) if spans else None), own, *steady
 
-      chain_in = [tuple(flat_inputs(sets))]
+      chain_in = [tuple(flat_inputs(sets[:args.chain])), tuple(flat_inputs(sets[args.chain:]))]
       single_in = [tuple(flat_inputs([s])) for s in sets]
-      pair_chain_in = [(expert_out, *chain_in[0])]
+      combines_in = [(*single_in[0], *expert_outs[:args.chain]), (*single_in[1], *expert_outs[args.chain:])]
+      pair_chain_in = [(expert_out, *c) for c in chain_in]
       pair_single_in = [(expert_out, *s) for s in single_in]
       disp_bytes = pairs * d.bytes_per_token
       comb_bytes = pairs * 2 * args.hidden
@@ -262,17 +276,20 @@ def main(argv=None) -> int:
                                                                  "DispatchKernel" if name == "ffi" else None)
         record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu, d_kernel, d_steady,
                d_steady_kernel)
-        # Combine = (dispatch + combine) - dispatch, both medians of their own runs.
-        p_chain = time_per_call(p_fn, pair_chain_in, calls_per_run=args.chain, runs=args.runs)
-        p_single = time_per_call(pair_fn(impl, 1), pair_single_in, calls_per_run=1, runs=args.runs)
-        p_gpu, c_kernel, p_steady, c_steady_kernel = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}",
+        # Combine: one dispatch then args.chain combines, less one dispatch, per combine.
+        c_fn = combines_fn(impl, args.chain)
+        c_chain = time_per_call(c_fn, combines_in, calls_per_run=args.chain, runs=args.runs)
+        c_gpu, c_kernel, c_steady, c_steady_kernel = gpu_span_us(c_fn, combines_in[0], f"dispatch+combines {name}",
                                                                  "CombineKernel" if name == "ffi" else None)
         diff = lambda a, b: None if a is None or b is None else a - b
-        record("combine", name, p_chain["median_s"] - t_chain["median_s"], p_single["median_s"] - t_single["median_s"],
-               comb_bytes, diff(p_gpu, d_gpu), c_kernel, diff(p_steady, d_steady), c_steady_kernel)
+        record("combine", name, c_chain["median_s"] - t_chain["median_s"] / args.chain, None, comb_bytes,
+               diff(c_gpu, None if d_gpu is None else d_gpu / args.chain), c_kernel, c_steady, c_steady_kernel)
         if args.vjp:  # combine's VJP = (dispatch + combine + VJP) - (dispatch + combine)
+          p_chain = time_per_call(p_fn, pair_chain_in, calls_per_run=args.chain, runs=args.runs)
+          p_single = time_per_call(pair_fn(impl, 1), pair_single_in, calls_per_run=1, runs=args.runs)
+          p_gpu, _, p_steady, _ = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}")
           v_fn = vjp_fn(impl, args.chain)
-          v_in = [(expert_out, ct_out, *chain_in[0])]
+          v_in = [(expert_out, ct_out, *c) for c in chain_in]
           v_chain = time_per_call(v_fn, v_in, calls_per_run=args.chain, runs=args.runs)
           v_single = time_per_call(vjp_fn(impl, 1), [(expert_out, ct_out, *s) for s in single_in], calls_per_run=1,
                                    runs=args.runs)
@@ -332,7 +349,7 @@ def main(argv=None) -> int:
         except Exception as e:  # pylint: disable=broad-except
           say(f"ragged_all_to_all failed: {type(e).__name__}: {str(e)[:200]}")
       ws.close()
-      del sets, lossless, expert_out, ct_out
+      del sets, lossless, expert_out, expert_outs, ct_out
   if not lead:
     return 0
   name = f"a2a_{num_ranks}ranks" + (f"_{jax.process_count()}processes" if jax.process_count() > 1 else "")

@@ -18,6 +18,11 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
 
 Forward+backward is the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and x.
 
+With --check, each layer variant's output and gradients (one input set) are also compared with a float32 oracle
+of the same parameters (the layer's routing in float32, every expert run densely on every token at HIGHEST
+precision and gated by its routing weight, FP8 weights dequantized): calc_diff = 1 - 2 sum(a b) / sum(a^2 + b^2)
+per tensor, as `accuracy` in the result rows.
+
   python bench/bench_layer.py [--tokens 4096 16384] [--local-experts 32] [--variants ...] [--out DIR]
   python bench/bench_layer.py --plot bench/results/layer_<date>.json     (plot a result file)
 """
@@ -86,6 +91,7 @@ def _layer_fns(variant: str, args, mesh, tokens: int):
 
   fwd = jax.jit(forward)
   fwd_bwd = None if config.fp8_weights else jax.jit(jax.grad(loss, argnums=(0, 2)))
+  accuracy = lambda x, ct: _accuracy(config, fwd, fwd_bwd, trainable, frozen, x, ct)
 
   def inputs(i):
     k = jax.random.fold_in(jax.random.key(1), i)
@@ -96,7 +102,53 @@ def _layer_fns(variant: str, args, mesh, tokens: int):
 
   return (lambda x, ct: fwd(trainable, frozen, x)), \
       (None if fwd_bwd is None else (lambda x, ct: fwd_bwd(trainable, frozen, x, ct))), inputs, ws, \
-      (fwd, fwd_bwd, (trainable, frozen))
+      (fwd, fwd_bwd, (trainable, frozen)), accuracy
+
+
+def _oracle_loss(config: moe.MoEConfig):
+  """sum(y * ct) + load_balance_loss of the float32 oracle (module docstring), and y."""
+  f32 = jnp.float32
+
+  def forward(params, x):
+    with jax.default_matmul_precision("highest"):
+      xs = x.astype(f32)
+      topk_weights, topk_ids, aux = moe._route(params, xs, config, None)  # pylint: disable=protected-access
+      w_gu, w_dn = moe._expert_weights(params).dequantized(f32)  # pylint: disable=protected-access
+      gates = jnp.zeros((xs.shape[0], config.num_experts), f32).at[
+          jnp.arange(xs.shape[0])[:, None], topk_ids].add(topk_weights)
+
+      def expert(y, e):  # one expert on every token, gated; a scan keeps one [T, 2F] at a time
+        wg, wd, g = e
+        h = xs @ wg.T
+        act = jax.nn.silu(h[:, :config.ffn]) * h[:, config.ffn:]
+        return y + (act @ wd.T) * g[:, None], None
+
+      y, _ = jax.lax.scan(expert, jnp.zeros_like(xs), (w_gu, w_dn, gates.T))
+    return y, aux["load_balance_loss"]
+
+  def loss(params, x, ct):
+    y, lb = forward(params, x)
+    return jnp.sum(y * ct) + lb
+
+  return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _calc_diff(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  denom = float(np.sum(a * a + b * b))
+  return 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * b)) / denom
+
+
+def _accuracy(config, fwd, fwd_bwd, trainable, frozen, x, ct) -> dict:
+  """calc_diff of the output and of each gradient against the float32 oracle on the same parameters."""
+  oracle_fwd, oracle_grad = _oracle_loss(config)
+  params = {**trainable, **frozen}
+  out = {"output": _calc_diff(fwd(trainable, frozen, x)[0], oracle_fwd(params, x)[0])}
+  if fwd_bwd is not None:
+    (d_p, d_x), (o_p, o_x) = fwd_bwd(trainable, frozen, x, ct), oracle_grad(params, x, ct)
+    out.update({f"grad_{k}": _calc_diff(v, o_p[k]) for k, v in d_p.items()})
+    out["grad_x"] = _calc_diff(d_x, o_x)
+  return {k: float(f"{v:.3g}") for k, v in out.items()}
 
 
 def _einsum_fns(args, mesh, tokens: int):
@@ -132,7 +184,7 @@ def _einsum_fns(args, mesh, tokens: int):
     return x, ct
 
   return (lambda x, ct: fwd(w_gu, w_dn, x)), (lambda x, ct: fwd_bwd(w_gu, w_dn, x, ct)), inputs, None, \
-      (fwd, fwd_bwd, (w_gu, w_dn))
+      (fwd, fwd_bwd, (w_gu, w_dn)), None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,11 +295,11 @@ def run(args) -> list[dict]:
         continue
       try:
         if variant == "einsum":
-          fwd, fwd_bwd, inputs, ws, (jf, jfb, p) = _einsum_fns(args, mesh, tokens)
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _einsum_fns(args, mesh, tokens)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = (jfb, (*p, *inputs(0)))
         else:
-          fwd, fwd_bwd, inputs, ws, (jf, jfb, p) = _layer_fns(variant, args, mesh, tokens)
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _layer_fns(variant, args, mesh, tokens)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         input_sets = [inputs(i) for i in range(args.input_sets)]
@@ -257,6 +309,13 @@ def run(args) -> list[dict]:
           row = _measure(variant, mode, fn, jitted[0], jitted[1], input_sets, flops, args)
           row["tokens_per_device"] = tokens
           rows.append(row)
+        if args.check and accuracy is not None:
+          acc = accuracy(*input_sets[0])
+          print(f"  {variant:>16} calc_diff vs float32 oracle: " + ", ".join(f"{k} {v:.2e}" for k, v in acc.items()),
+                flush=True)
+          for row in rows:
+            if row.get("variant") == variant and row.get("tokens_per_device") == tokens:
+              row["accuracy"] = acc
         del input_sets
         if ws is not None:
           ws.close()
@@ -310,6 +369,7 @@ def main(argv=None) -> int:
   p.add_argument("--runs", type=positive_int, default=20, help="timed runs (median reported; fewer for slow steps)")
   p.add_argument("--input-sets", type=positive_int, default=3, help="distinct activation sets rotated between runs")
   p.add_argument("--no-stages", action="store_true", help="skip the per-stage profiler trace")
+  p.add_argument("--check", action="store_true", help="compare output and gradients with a float32 oracle")
   p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
   p.add_argument("--plot", default=None, help="only plot this result file")
   args = p.parse_args(argv)

@@ -112,7 +112,7 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
   bench_layer = _import_bench("bench_layer")
   variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_stored"]
   assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
-                           "2", "--runs", "2", "--input-sets", "2", "--variants", *variants,
+                           "2", "--runs", "2", "--input-sets", "2", "--variants", *variants, "--check",
                            "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rec = json.loads(path.read_text())
@@ -121,6 +121,16 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
   assert got == want
   assert all(r["ms"] > 0 and r["tflops"] > 0 and r["temp_bytes"] >= 0 for r in rec["rows"])
   assert path.with_suffix(".png").exists()
+  # --check: calc_diff of the output and every gradient against the float32 oracle (einsum has none).
+  for r in rec["rows"]:
+    acc = r.get("accuracy")
+    assert (acc is None) == (r["variant"] == "einsum")
+    if acc is not None:
+      want_keys = {"output"} | ({"grad_router", "grad_w_gate_up", "grad_w_down", "grad_x"}
+                                if r["variant"] != "fp8_stored" else set())
+      assert set(acc) == want_keys
+      out_tol, grad_tol = (1e-4, 5e-4) if r["variant"] in ("twin", "bf16") else (5e-3, 2e-2)
+      assert acc["output"] < out_tol and all(v < grad_tol for k, v in acc.items() if k != "output"), (r["variant"], acc)
 
 
 def test_bench_layer_attributes_ops_to_their_innermost_stage():
