@@ -114,7 +114,7 @@ def _time(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config=None)
 def _check(g, rows, n, k, wts, act, sizes):
   """calc_diff of both FP8 layouts against an FP32 GEMM of the dequantized operands, on three groups (the first,
   middle and last): only those groups' operands are dequantized and copied to the host."""
-  from jax_moe_a2a.demo import calc_diff  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
   picks = jnp.array(sorted({0, g // 2, g - 1}))
   a = act["a"].reshape(g, rows, k)[picks].reshape(-1, k)
   a_sf = act["a_sf"].reshape(g, rows, k // 128)[picks].reshape(-1, k // 128)

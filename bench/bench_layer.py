@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import plot_if_possible, positive_int, save_plot, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import moe  # noqa: E402
+from jax_moe_a2a.testing import calc_diff  # noqa: E402
 
 BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_bf16wire", "fp8_stored")
 VARIANTS = BASE_VARIANTS + tuple(v + "_ws" for v in BASE_VARIANTS[2:])
@@ -133,21 +134,15 @@ def _oracle_loss(config: moe.MoEConfig):
   return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def _calc_diff(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  denom = float(np.sum(a * a + b * b))
-  return 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * b)) / denom
-
-
 def _accuracy(config, fwd, fwd_bwd, trainable, frozen, x, ct) -> dict:
   """calc_diff of the output and of each gradient against the float32 oracle on the same parameters."""
   oracle_fwd, oracle_grad = _oracle_loss(config)
   params = {**trainable, **frozen}
-  out = {"output": _calc_diff(fwd(trainable, frozen, x)[0], oracle_fwd(params, x)[0])}
+  out = {"output": calc_diff(fwd(trainable, frozen, x)[0], oracle_fwd(params, x)[0])}
   if fwd_bwd is not None:
     (d_p, d_x), (o_p, o_x) = fwd_bwd(trainable, frozen, x, ct), oracle_grad(params, x, ct)
-    out.update({f"grad_{k}": _calc_diff(v, o_p[k]) for k, v in d_p.items()})
-    out["grad_x"] = _calc_diff(d_x, o_x)
+    out.update({f"grad_{k}": calc_diff(v, o_p[k]) for k, v in d_p.items()})
+    out["grad_x"] = calc_diff(d_x, o_x)
   return {k: float(f"{v:.3g}") for k, v in out.items()}
 
 

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from jax_moe_a2a.testing import calc_diff, max_rel  # NumPy only: jax is imported later, after the flags
+
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 SIMULATED_CPU_DEVICES = 8
 _ACCELERATOR_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin", "libtpu")
@@ -131,23 +133,6 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def calc_diff(a, b) -> float:
-  """``1 - 2 sum(a b) / sum(a^2 + b^2)`` in float64: 0 for equal tensors, DeepGEMM's error measure."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  denom = float(np.sum(a * a + b * b))
-  return 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * b)) / denom
-
-
-def _max_rel(a, b) -> float:
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  scale = float(np.max(np.abs(b))) if b.size else 0.0
-  return float(np.max(np.abs(a - b))) / scale if scale else float(np.max(np.abs(a - b), initial=0.0))
-
-
 def passed(calc_diffs: Sequence[float], *, limit: float, load_equal: bool, loss_diff: float,
            loss_ref: float) -> bool:
   """The demo's verdict: every calc_diff finite and <= limit, the same expert load as the oracle, and the
@@ -254,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
   checks = [("output", y, y_ref), ("grad x", g_x, g_x_ref)]
   checks += [(f"grad {name}", g_params[name], g_params_ref[name]) for name in trained]
-  results = [(name, calc_diff(a, b), _max_rel(a, b)) for name, a, b in checks]
+  results = [(name, calc_diff(a, b), max_rel(a, b)) for name, a, b in checks]
   load_ok = bool(np.array_equal(np.asarray(aux["expert_load"]), np.asarray(aux_ref["expert_load"])))
   loss_diff = abs(float(aux["load_balance_loss"]) - float(aux_ref["load_balance_loss"]))
   ok = passed([c for _, c, _ in results], limit=limit, load_equal=load_ok, loss_diff=loss_diff,

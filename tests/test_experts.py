@@ -237,7 +237,7 @@ def test_expert_stage_gradients_match_dense_autodiff(compute_dtype, impl):
     if compute_dtype == jnp.float32:
       assert _max_rel(a, b) < TOL, name
     else:
-      from jax_moe_a2a.demo import calc_diff  # pylint: disable=import-outside-toplevel
+      from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
       assert calc_diff(a, b) < 5e-4, name
   # Padding rows and assignments of no local expert get exactly zero gradient.
   assert not np.any(np.asarray(got[0])[:, -3:]) and not np.any(np.asarray(got[1])[ids < 0])
@@ -247,7 +247,7 @@ def test_expert_stage_gradients_match_dense_autodiff(compute_dtype, impl):
 def test_swiglu_mlp_bf16_matches_float32(impl):
   """The bf16 MLP on the grouped GEMMs against the float32 MLP: output and gradients within bf16 rounding."""
   from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
-  from jax_moe_a2a.demo import calc_diff  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
   if impl == "ffi" and not _ffi.available():
     pytest.skip("compiled extension not built")
   rng = np.random.default_rng(9)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_moe_a2a import _ffi, grouped_gemm, quant
-from jax_moe_a2a.demo import calc_diff
+from jax_moe_a2a.testing import calc_diff
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 

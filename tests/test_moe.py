@@ -33,24 +33,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
 from jax_moe_a2a import a2a, experts, moe, routing
+from jax_moe_a2a.testing import calc_diff, max_rel
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
 F32_TOL = 2e-5  # max |err| / max |ref| with float32 compute
 FP8_CALC_DIFF = 2e-3
 FP8_EXPERTS_CALC_DIFF = 4e-3
 BF16_CALC_DIFF, BF16_TOL = 1e-4, 3e-2
-
-
-def calc_diff(x, y) -> float:
-  x = np.asarray(x, np.float64)
-  y = np.asarray(y, np.float64)
-  return 1.0 - 2.0 * float(np.sum(x * y)) / float(np.sum(x * x + y * y))
-
-
-def max_rel(x, y) -> float:
-  x = np.asarray(x, np.float64)
-  y = np.asarray(y, np.float64)
-  return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
 
 
 def _config(**kw):
