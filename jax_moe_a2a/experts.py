@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe_a2a import grouped_gemm, quant
+from jax_moe_a2a import rows as row_ops
 
 
 @jax.tree_util.register_dataclass
@@ -166,18 +167,22 @@ def _swiglu_tiled_bwd(compute_dtype, tile, res, ct):
   def tile_fn(g, ctx, row0, valid, carry):
     dx, dw_gu, dw_dn = carry
     w_gu, w_dn = ctx  # [2 ffn, hidden], [hidden, ffn]
-    xt = jax.lax.dynamic_slice_in_dim(x_pad, row0, tile)
-    # Rows of the next group (or past the end) must not reach this group's weight gradients.
-    ct_t = jnp.where(valid[:, None], jax.lax.dynamic_slice_in_dim(ct_pad, row0, tile), 0.0)
+    # Rows of the next group (or past the end) must not reach this group's weight gradients: their values, not only
+    # their cotangents, are zeroed, and so are the products made from them (0 * NaN is NaN), so a NaN or an
+    # infinity in one group's rows or weights stays in that group's gradients.
+    mine = valid[:, None]
+    xt = jnp.where(mine, jax.lax.dynamic_slice_in_dim(x_pad, row0, tile), 0)
+    ct_t = jnp.where(mine, jax.lax.dynamic_slice_in_dim(ct_pad, row0, tile), 0.0)
     gate, up = _swiglu_tile(xt, w_gu.T)  # recomputed rather than stored
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
-    act = (silu * up).astype(compute_dtype)
+    act = jnp.where(mine, silu * up, 0.0).astype(compute_dtype)
     d_act = jnp.dot(ct_t, w_dn.astype(f32))  # [tile, ffn]
     dw_dn = dw_dn.at[g].add(jax.lax.dot_general(ct_t, act.astype(f32), (((0,), (0,)), ((), ()))))
     dh = jnp.concatenate([d_act * up * (sig + silu * (1.0 - sig)), d_act * silu], axis=1)  # [tile, 2 ffn]
+    dh = jnp.where(mine, dh, 0.0)
     dw_gu = dw_gu.at[g].add(jax.lax.dot_general(dh, xt.astype(f32), (((0,), (0,)), ((), ()))))
-    dxt = jnp.dot(dh, w_gu.astype(f32))
+    dxt = jnp.where(mine, jnp.dot(dh, w_gu.astype(f32)), 0.0)
     return jax.lax.dynamic_update_slice_in_dim(dx, dxt, row0, axis=0), dw_gu, dw_dn
 
   init = (jnp.zeros((num_rows + tile, hidden), f32), jnp.zeros(w_gate_up.shape, f32), jnp.zeros(w_down.shape, f32))
@@ -189,12 +194,14 @@ _swiglu_tiled.defvjp(_swiglu_tiled_fwd, _swiglu_tiled_bwd)
 
 
 def _swiglu_ragged_dot(x, group_sizes, w_gate_up, w_down, compute_dtype):
+  # grouped_matmul_reference rather than jax.lax.ragged_dot itself: XLA's expansion of ragged_dot spreads a NaN in
+  # one group's weights to every row.
   ffn = w_down.shape[-1]
-  h = jax.lax.ragged_dot(x.astype(compute_dtype), jnp.swapaxes(w_gate_up, 1, 2), group_sizes,
-                         preferred_element_type=jnp.float32)
+  h = grouped_gemm.grouped_matmul_reference(x.astype(compute_dtype), jnp.swapaxes(w_gate_up, 1, 2), group_sizes,
+                                            preferred_element_type=jnp.float32)
   act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-  return jax.lax.ragged_dot(act.astype(compute_dtype), jnp.swapaxes(w_down, 1, 2), group_sizes,
-                            preferred_element_type=jnp.float32)
+  return grouped_gemm.grouped_matmul_reference(act.astype(compute_dtype), jnp.swapaxes(w_down, 1, 2), group_sizes,
+                                               preferred_element_type=jnp.float32)
 
 
 def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
@@ -204,11 +211,13 @@ def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWe
   Two implementations with the same semantics (float32 accumulation, the activation rounded to
   `compute_dtype` before the down projection):
 
-  - ``"ragged_dot"``: `jax.lax.ragged_dot`. GPUs and TPUs lower it to a grouped matmul; XLA:CPU expands it to
-    a dense matmul per group, num_groups times the work.
+  - ``"ragged_dot"``: the product of `jax.lax.ragged_dot`, as `grouped_gemm.grouped_matmul_reference` computes it:
+    a dense matmul per group (num_groups times the work, as XLA's own expansion of ragged_dot on CPU and GPU),
+    each group's rows selected, so a non-finite value in one group's weights reaches no other group's rows.
   - ``"tiled"``: a loop over the groups and, within each, over tiles of `GROUP_TILE` rows runs the whole MLP
     per tile with the group's weights; its trip counts are run-time values, so the work is that of the real
-    rows plus at most one tile per group. The backward pass (a custom VJP) is tiled the same way.
+    rows plus at most one tile per group. The backward pass (a custom VJP) is tiled the same way; the rows a
+    tile holds of the next group are zeroed (values and products), so they reach no weight gradient but their own.
   - ``"auto"``: ``"tiled"`` on CPU, ``"ragged_dot"`` elsewhere (chosen when lowering, per platform).
 
   Args:
@@ -362,13 +371,17 @@ class _Fp8MlpStatic:
 
 
 def _masked_mlp_reference(x, group_sizes, w_gate_up, w_down):
-  """The bfloat16 SwiGLU MLP on masked groups x [G, R, H] (float32 accumulation, rows past a count give 0)."""
+  """The bfloat16 SwiGLU MLP on masked groups x [G, R, H] (float32 accumulation, rows past a count give 0).
+
+  Rows past a count are zeroed on the way in too, so that whatever they hold (NaN) reaches no weight gradient, and
+  their own gradient is 0 (not 0 * NaN of a weight)."""
   ffn = w_down.shape[-1]
-  h = jnp.einsum("grh,gfh->grf", x, w_gate_up, preferred_element_type=jnp.float32)
+  _, size = grouped_gemm.owned_rows(group_sizes, x.shape[1], masked=True)
+  live = (jnp.arange(x.shape[1])[None, :] < size[:, None])[..., None]
+  h = jnp.einsum("grh,gfh->grf", jnp.where(live, x, 0), w_gate_up, preferred_element_type=jnp.float32)
   act = (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]).astype(jnp.bfloat16)
   y = jnp.einsum("grf,ghf->grh", act, w_down, preferred_element_type=jnp.float32)
-  _, size = grouped_gemm.owned_rows(group_sizes, x.shape[1], masked=True)
-  return jnp.where((jnp.arange(x.shape[1])[None, :] < size[:, None])[..., None], y, 0.0)
+  return jnp.where(live, y, 0.0)
 
 
 def _quantize_rows(x, impl):
@@ -505,7 +518,8 @@ def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, perm, w_gate_up, w_gate_up_sf, w_down
 
 def _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   q, q_sf = _quantize_rows(rows, st.impl)
-  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), q[perm.src_row], q_sf[perm.src_row],
+  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), row_ops.gather_rows(q, perm.src_row, impl=st.impl),
+                        row_ops.gather_rows(q_sf, perm.src_row, impl=st.impl),
                         perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
   return y, (res, perm)
 
@@ -513,7 +527,7 @@ def _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf
 def _mlp_fp8_rows_bwd(st, res, ct):
   res, perm = res
   dx, _, _, dw_gu, _, dw_dn, _ = _mlp_fp8_bwd(st, res, ct)
-  d_rows, _ = _expand_rows_bwd(perm, dx)
+  d_rows, _ = _expand_rows_bwd(st.impl, perm, dx)
   return d_rows, None, dw_gu, None, dw_dn, None
 
 
@@ -584,7 +598,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     if fp8_rows:
       x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
     elif gemm_impl is None:
-      x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm), "expert_rows"), None
+      x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
   with jax.named_scope("experts"):
     if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
       st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
@@ -594,7 +608,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
       y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
                           method=method, gemm_impl=gemm_impl, impl=impl)
   with jax.named_scope("unpermute"):
-    out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm)
+    out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm, jnp.dtype(out_dtype), impl)
   return out.reshape(num_ranks, capacity, hidden).astype(out_dtype)
 
 
@@ -633,6 +647,10 @@ class _Permutation:
   valid: jax.Array
   group_sizes: jax.Array
 
+  def masked_pos(self) -> jax.Array:
+    """[rows, top_k] int32: each assignment's sorted position, -1 for those of no local expert."""
+    return jnp.where(self.valid, self.pos.reshape(self.valid.shape), -1).astype(jnp.int32)
+
 
 def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   top_k = ids.shape[-1]
@@ -645,56 +663,45 @@ def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   return _Permutation(order=order, pos=pos, src_row=order // top_k, valid=valid, group_sizes=group_sizes)
 
 
-@jax.custom_vjp
-def _expand_rows(rows: jax.Array, perm: _Permutation) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _expand_rows(rows: jax.Array, perm: _Permutation, impl: str) -> jax.Array:
   """``rows[perm.src_row]``: each row once per sorted assignment, [A, hidden]."""
-  return rows[perm.src_row]
+  return row_ops.gather_rows(rows, perm.src_row, impl=impl)
 
 
-def _expand_rows_fwd(rows, perm):
-  return rows[perm.src_row], perm
+def _expand_rows_fwd(rows, perm, impl):
+  return _expand_rows(rows, perm, impl), perm
 
 
-def _expand_rows_bwd(perm, ct):
+def _expand_rows_bwd(impl, perm, ct):
   # Each row's cotangent is the sum over its valid assignments, gathered by position, in ascending k (float32).
-  top_k = perm.valid.shape[-1]
-  ct_k = ct[perm.pos].reshape(-1, top_k, ct.shape[-1])
-  d_rows = jnp.zeros(ct_k[:, 0].shape, jnp.float32)
-  for k in range(top_k):
-    d_rows = d_rows + jnp.where(perm.valid[:, k:k + 1], ct_k[:, k].astype(jnp.float32), 0.0)
-  return d_rows.astype(ct.dtype), None
+  return row_ops.sum_rows(ct, perm.masked_pos(), out_dtype=ct.dtype, impl=impl), None
 
 
 _expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
 
 
-def _weighted_sum(y_k, weights, valid):
-  """Per row, the sum over k of weight_k * y_k, float32 in ascending k; assignments of no local expert add 0."""
-  out = jnp.zeros(y_k[:, 0].shape, jnp.float32)
-  for k in range(y_k.shape[1]):
-    out = out + jnp.where(valid[:, k:k + 1], y_k[:, k].astype(jnp.float32) * weights[:, k:k + 1], 0.0)
-  return out
-
-
-@jax.custom_vjp
-def _reduce_rows(y_sorted: jax.Array, weights: jax.Array, perm: _Permutation) -> jax.Array:
-  """Per row, sum_k weight_k * y_sorted[pos[row, k]] in float32: [rows, hidden]."""
-  top_k = perm.valid.shape[-1]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _reduce_rows(y_sorted: jax.Array, weights: jax.Array, perm: _Permutation, out_dtype, impl: str) -> jax.Array:
+  """Per row, sum_k weight_k * y_sorted[pos[row, k]] in float32 (ascending k), then in out_dtype: [rows, hidden];
+  assignments of no local expert add 0."""
   with jax.named_scope("unpermute"):  # the caller's scope is not on a custom_vjp's primal when not differentiated
-    return _weighted_sum(y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1]), weights, perm.valid)
+    return row_ops.sum_rows(y_sorted, perm.masked_pos(), weights.astype(jnp.float32), out_dtype=out_dtype,
+                            impl=impl)
 
 
-def _reduce_rows_fwd(y_sorted, weights, perm):
-  return _reduce_rows(y_sorted, weights, perm), (y_sorted, weights, perm)
+def _reduce_rows_fwd(y_sorted, weights, perm, out_dtype, impl):
+  return _reduce_rows(y_sorted, weights, perm, out_dtype, impl), (y_sorted, weights, perm)
 
 
-def _reduce_rows_bwd(res, ct):
+def _reduce_rows_bwd(out_dtype, impl, res, ct):
+  del out_dtype
   y_sorted, weights, perm = res
   top_k = perm.valid.shape[-1]
   valid_flat = perm.valid.reshape(-1)
   # d y_sorted[i] = weight * ct[row] of the assignment at sorted position i (a gather by order).
-  w_sorted = jnp.where(valid_flat, weights.reshape(-1), 0.0)[perm.order]
-  d_y = (ct[perm.src_row] * w_sorted[:, None]).astype(y_sorted.dtype)
+  w_sorted = jnp.where(valid_flat, weights.reshape(-1), 0.0).astype(jnp.float32)[perm.order]
+  d_y = row_ops.gather_rows(ct, perm.src_row, scale=w_sorted, out_dtype=y_sorted.dtype, impl=impl)
   # d weight[row, k] = <y of the assignment, ct[row]>: a product and a sum over hidden (one reduction fused with
   # the gather, no float32 copy of the gathered rows as a batched dot would take).
   y_k = y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1])

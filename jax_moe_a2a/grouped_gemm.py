@@ -41,6 +41,29 @@ BLOCK = quant.FP8_BLOCK
 MAX_GROUPS = 65535
 
 
+def _as_group_sizes(op: str, group_sizes: Any) -> Any:
+  """Group sizes given as a Python list or tuple of ints, as an int32 array; anything else as it is.
+
+  Python ints have no width, so a list is converted (after a range check); an array (NumPy's or JAX's) names its
+  dtype, and one that is not int32 is refused by the dtype check rather than narrowed here.
+
+  Raises:
+    TypeError: a list or tuple that is not made of ints.
+    ValueError: a list or tuple with a value outside the int32 range.
+  """
+  if not isinstance(group_sizes, (list, tuple)):
+    return group_sizes
+  values = np.asarray(group_sizes)
+  if values.dtype.kind not in "iu":
+    kind = type(group_sizes).__name__ + ("" if values.dtype == object else f" of {values.dtype.name}")
+    raise TypeError(f"{op}: group_sizes must be int32 [G] (an int32 array, or a list of ints), got a {kind}")
+  info = np.iinfo(np.int32)
+  if values.size and (values.min() < info.min or values.max() > info.max):
+    raise ValueError(f"{op}: group_sizes must fit int32 [{info.min}, {info.max}], got values in "
+                     f"[{values.min()}, {values.max()}]")
+  return jnp.asarray(values.astype(np.int32))
+
+
 def _check(op: str, a: Any, a_sf: Any, b: Any, b_sf: Any, group_sizes: Any) -> tuple[bool, int, int, int, int]:
   """Checks the operands; returns (masked, G, rows, N, K) with rows = M (contiguous) or R (masked)."""
   for name, v, dtype in (("a", a, jnp.float8_e4m3fn), ("b", b, jnp.float8_e4m3fn), ("a_sf", a_sf, jnp.float32),
@@ -79,12 +102,73 @@ def _check(op: str, a: Any, a_sf: Any, b: Any, b_sf: Any, group_sizes: Any) -> t
 
 
 def owned_rows(group_sizes: jax.Array, rows: int, *, masked: bool) -> tuple[jax.Array, jax.Array]:
-  """(start, size) per group after clamping, as int32 [G] each (start is 0 for every masked group)."""
-  req = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  """(start, size) per group after clamping, as int32 [G] each (start is 0 for every masked group).
+
+  Contiguous: the running total saturates at `rows`, as the custom call's 64-bit one does once clamped: sizes are
+  clamped to [0, rows] and added with ``min(a + b, rows)`` (computed as ``a + min(b, rows - a)``, so no partial sum
+  leaves [0, rows] and nothing wraps in int32, e.g. for sizes [2**31 - 1, 1, 1]).
+  """
+  req = jnp.clip(group_sizes.astype(jnp.int32), 0, rows)
   if masked:
-    return jnp.zeros_like(req), jnp.minimum(req, rows)
-  start = jnp.minimum(jnp.cumsum(req) - req, rows)
-  return start, jnp.minimum(req, rows - start)
+    return jnp.zeros_like(req), req
+  if req.shape[0] == 0:
+    return req, req
+  end = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, rows - a), req)
+  start = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
+  return start, end - start
+
+
+def _group_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
+  """Owning group of each of `rows` contiguous rows, int32 [rows]; G (no group) for rows past the owned ones."""
+  start, size = owned_rows(group_sizes, rows, masked=False)
+  end = start + size
+  # Row r belongs to the first group whose end exceeds r (empty groups have end == start and own nothing).
+  return jnp.searchsorted(end, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                             precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
+  """``lhs[rows of g] @ rhs[g]`` per group: `jax.lax.ragged_dot`'s product, with each group's values kept apart.
+
+  XLA (on CPU and GPU) expands ragged_dot into one dense product over all groups with the other groups' rows of
+  lhs zeroed, so a NaN or an infinity in one group's rhs reaches every row (0 * NaN = NaN). Here group g's product
+  reads lhs with every row outside g zeroed and only g's rows of it are kept, one group at a time: the same work
+  as that expansion, and a non-finite value of one group's rows or weights changes only that group's rows -- also
+  in the gradients JAX derives from it (dlhs is selected per group, drhs[g] contracts only g's rows).
+
+  Args:
+    lhs: [M, K] rows sorted by group (grouped as `owned_rows` with masked=False says; rows no group owns give 0).
+    rhs: [G, K, N].
+    group_sizes: int32 [G].
+    precision, preferred_element_type: as for `jax.lax.dot`.
+
+  Returns:
+    [M, N].
+  """
+  rows = lhs.shape[0]
+  owner = _group_rows(group_sizes, rows)[:, None]
+  out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+
+  def one(g, y):
+    mine = owner == g
+    yg = jnp.dot(jnp.where(mine, lhs, 0), rhs[g], precision=precision, preferred_element_type=preferred_element_type)
+    return jnp.where(mine, yg.astype(out_dtype), y)
+
+  return jax.lax.fori_loop(0, rhs.shape[0], one, jnp.zeros((rows, rhs.shape[2]), out_dtype))
+
+
+def _grouped_wgrad_reference(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """Per group, ``a[rows of g].T @ b[rows of g]`` in float32 at HIGHEST precision, [G, K, N], both operands zeroed
+  outside the group (so a non-finite row reaches only its own group's product)."""
+  rows = a.shape[0]
+  owner = _group_rows(group_sizes, rows)[:, None]
+
+  def one(g):
+    mine = owner == g
+    return jax.lax.dot_general(jnp.where(mine, a, 0), jnp.where(mine, b, 0), (((0,), (0,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+  return jax.lax.map(one, jnp.arange(group_sizes.shape[0], dtype=jnp.int32))
 
 
 @jax.jit
@@ -99,13 +183,10 @@ def _jax_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes):
     _, size = owned_rows(group_sizes, rows, masked=True)
     live = jnp.arange(rows)[None, :] < size[:, None]
     return jnp.where(live[..., None], y, 0.0).astype(jnp.bfloat16)
-  rows = a.shape[0]
   x = quant._jax_dequantize_fp8_blockwise(a, a_sf)  # pylint: disable=protected-access
-  _, size = owned_rows(group_sizes, rows, masked=False)
-  y = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), size, precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
-  live = jnp.arange(rows) < jnp.sum(size)
-  return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16)
+  y = grouped_matmul_reference(x, jnp.swapaxes(w, 1, 2), group_sizes, precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+  return y.astype(jnp.bfloat16)
 
 
 def scratch_bytes(num_groups: int) -> int:
@@ -134,7 +215,8 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
       block, which row slices of this layout are; the transposed [K/128, M] layout is not accepted.
     b: float8_e4m3fn weights [G, N, K], N and K multiples of 128.
     b_sf: float32 128x128 block scales of `b`, [G, N/128, K/128].
-    group_sizes: int32 [G] rows per group (run-time values; clamped as the module docstring says).
+    group_sizes: int32 [G] rows per group (run-time values; clamped as the module docstring says); a list of
+      ints is converted to int32 (a NumPy array must be int32).
     impl: "auto", "ffi" or "reference".
 
   Returns:
@@ -145,6 +227,7 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
       gives the expected and actual values.
   """
   op = "grouped_gemm_fp8"
+  group_sizes = _as_group_sizes(op, group_sizes)
   masked, num_groups, _, n, _ = _check(op, a, a_sf, b, b_sf, group_sizes)
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes, masked=masked, num_groups=num_groups, n=n)
@@ -198,25 +281,16 @@ def _bf16_scratch(num_groups: int, mode: int, f32_out: bool = False) -> jax.Shap
 @functools.partial(jax.jit, static_argnames=("b_layout",))
 def _jax_grouped_gemm_bf16(a, b, group_sizes, *, b_layout):
   """Pure-JAX twin of `grouped_gemm_bf16`: float32 products at HIGHEST precision, one bfloat16 rounding."""
-  rows = a.shape[0]
-  _, size = owned_rows(group_sizes, rows, masked=False)
   rhs = jnp.swapaxes(b, 1, 2) if b_layout == "nk" else b  # [G, K, N]
-  y = jax.lax.ragged_dot(a, rhs, size, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  live = jnp.arange(rows) < jnp.sum(size)
-  return jnp.where(live[:, None], y, 0.0).astype(jnp.bfloat16)
+  y = grouped_matmul_reference(a, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+  return y.astype(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes, *, out_dtype):
   """Pure-JAX twin of `grouped_gemm_bf16_wgrad`: one float32 product per group over its rows."""
-  rows = a.shape[0]
-  _, size = owned_rows(group_sizes, rows, masked=False)
-  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
-                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  live = (jnp.arange(rows) < jnp.sum(size))[:, None]
-  d = jax.lax.ragged_dot_general(jnp.where(live, a, 0), jnp.where(live, b, 0), size, dims,
-                                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return d.astype(out_dtype)
+  return _grouped_wgrad_reference(a, b, group_sizes).astype(out_dtype)
 
 
 def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_layout: str = "nk",
@@ -227,12 +301,14 @@ def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_l
   after those of groups 0..g-1, sizes clamped to >= 0 and to the rows that are left; rows no group owns give 0.
   On GPUs the custom call ``jax_moe_a2a_grouped_gemm_bf16`` runs CUTLASS's SM90 warp-specialized grouped GEMM
   (TMA, wgmma, float32 accumulation) with the group sizes on the device; the "kn" layout is read in place
-  (no transposed copy of b). The twin is `jax.lax.ragged_dot` at HIGHEST precision.
+  (no transposed copy of b). The twin is `grouped_matmul_reference` at HIGHEST precision (ragged_dot's product,
+  each group kept apart).
 
   Args:
     a: bfloat16 [M, K], K a positive multiple of 8.
     b: bfloat16 weights, [G, N, K] for ``b_layout="nk"`` or [G, K, N] for ``"kn"``; N a positive multiple of 8.
-    group_sizes: int32 [G] rows per group (run-time values).
+    group_sizes: int32 [G] rows per group (run-time values); a list of ints is converted (a
+      NumPy array must be int32).
     b_layout: "nk" or "kn".
     impl: "auto", "ffi" or "reference".
 
@@ -245,6 +321,7 @@ def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_l
   _check_bf16(op, "a", a, 2)
   _check_bf16(op, "b", b, 3)
   rows, k = a.shape
+  group_sizes = _as_group_sizes(op, group_sizes)
   num_groups = _check_group_sizes(op, group_sizes, b.shape[0])
   n, bk = (b.shape[1], b.shape[2]) if b_layout == "nk" else (b.shape[2], b.shape[1])
   if bk != k:
@@ -271,7 +348,7 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
   Args:
     a: bfloat16 [M, K] (e.g. the output cotangent dy), K a positive multiple of 8.
     b: bfloat16 [M, N] (e.g. the forward input x), N a positive multiple of 8.
-    group_sizes: int32 [G] rows per group.
+    group_sizes: int32 [G] rows per group; a list of ints is converted (a NumPy array must be int32).
     out_dtype: float32 or bfloat16 (the float32 sums rounded once; half the bytes to write).
     impl: "auto", "ffi" or "reference".
 
@@ -285,6 +362,7 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
     raise ValueError(f"{op}: b must be [M, N] with M = {a.shape[0]} (from a), got shape {tuple(b.shape)}")
   rows, k = a.shape
   n = b.shape[1]
+  group_sizes = _as_group_sizes(op, group_sizes)
   num_groups = _check_group_sizes(op, group_sizes, None)
   _check_width(op, "K", k)
   _check_width(op, "N", n)
