@@ -27,6 +27,7 @@ checks its arguments and calls the twin.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Optional
 
 import jax
@@ -108,6 +109,18 @@ def _check_global_scale(op: str, global_scale: Any) -> jax.Array:
   return jnp.asarray(global_scale, jnp.float32)
 
 
+def _check_global_scale_value(op: str, global_scale: Any) -> None:
+  """Checks a concrete global scale: positive and finite. A traced one (under jit) cannot be checked here."""
+  if isinstance(global_scale, jax.core.Tracer):
+    return
+  try:
+    value = float(jax.device_get(global_scale))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return  # an abstract value (e.g. a ShapeDtypeStruct): nothing to check
+  if not (math.isfinite(value) and value > 0.0):
+    raise ValueError(f"{op}: global_scale must be positive and finite (0 < global_scale < inf), got {value!r}")
+
+
 def _true_div(a: jax.Array, b: jax.Array) -> jax.Array:
   """`a / b` in float32, correctly rounded on every backend, both operands broadcast to one shape.
 
@@ -175,6 +188,18 @@ def _pow2_scale_exponent(amax: jax.Array) -> jax.Array:
   return exp_field - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
 
 
+# The largest scale a finite amax gets (float32's largest binade, 2^127, maps into (224, 448] at 2^120) and the
+# largest E4M3 magnitude whose product with it is finite: 256 * 2^120 = 2^128 overflows, 240 * 2^120 does not.
+TOP_SCALE_BIASED = 247
+E4M3_MAX_AT_TOP_SCALE = 240.0
+
+
+def _e4m3_limit(biased: jax.Array) -> jax.Array:
+  """The clip of the scaled values for a scale of biased exponent `biased`: 448, or 240 at the top scale 2^120,
+  so that a value near the float32 maximum does not round up to the code 256, whose product with 2^120 is inf."""
+  return jnp.where(biased >= TOP_SCALE_BIASED, jnp.float32(E4M3_MAX_AT_TOP_SCALE), jnp.float32(E4M3_MAX))
+
+
 def _pow2(biased: jax.Array) -> jax.Array:
   """2^(biased - 127) as float32, for biased in [1, 254]."""
   return jax.lax.bitcast_convert_type((biased << 23).astype(jnp.uint32), jnp.float32)
@@ -183,16 +208,17 @@ def _pow2(biased: jax.Array) -> jax.Array:
 def _fp8_block_quantize(g: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   """Blockwise FP8 E4M3 of float32 `g` whose block dimensions are `axes`; returns (q like g, scale without axes).
 
-  scale = the smallest power of two with max(amax, 1e-12) <= 448 * scale; q = e4m3(clip(g / scale, -448,
-  448)), where the division by a power of two is exact; a block holding a NaN or an infinity gets q = NaN (0x7F)
-  everywhere and scale = NaN (0x7FC00000).
+  scale = the smallest power of two with max(amax, 1e-12) <= 448 * scale; q = e4m3(clip(g / scale, -L, L)) with
+  L = 448, or 240 at the top scale 2^120 (`_e4m3_limit`), where the division by a power of two is exact; a block
+  holding a NaN or an infinity gets q = NaN (0x7F) everywhere and scale = NaN (0x7FC00000).
   """
   amax = jnp.max(jnp.abs(g), axis=axes, keepdims=True)
   bad = jnp.any(~jnp.isfinite(g), axis=axes, keepdims=True)
   # For finite amax the biased exponent lies in [79, 247], so both 2^e and 2^-e are normal float32 values.
   biased = jnp.clip(_pow2_scale_exponent(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR))), 1, 253)
   scale, inv_scale = _pow2(biased), _pow2(254 - biased)
-  q = jnp.clip(g * inv_scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  limit = _e4m3_limit(biased)
+  q = jnp.clip(g * inv_scale, -limit, limit).astype(jnp.float8_e4m3fn)
   q = _where_bits(bad, E4M3_NAN_BITS, q)
   scale = _where_bits(bad, F32_NAN_BITS, scale)
   return q, jnp.squeeze(scale, axis=axes)
@@ -260,9 +286,12 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
   1. `amax = max(|g|)`;
   2. `scale = 2^e`, the smallest power of two with `max(amax, float32(1e-12)) <= 448 * 2^e` (the "UE8M0"
      rounding of DeepSeek-V3.1 and DeepGEMM, stored as FP32), computed exactly from the bits of amax;
-  3. `q = e4m3(clip(g / scale, -448, 448))`: dividing by a power of two is exact, so the only rounding is the
-     conversion to E4M3 (to nearest, ties to even), and every backend and kernel gives the same bits (the clip
-     never changes a finite result; kernels keep it so their conversions never see an out-of-range value);
+  3. `q = e4m3(clip(g / scale, -L, L))` with L = 448, except at the largest scale, 2^120 (amax in float32's top
+     binade, [2^127, 2^128)), where L = 240: there a value of at least 248 * 2^120 would round to the code 256,
+     and 256 * 2^120 = 2^128 overflows float32, so it saturates at 240 and the round trip stays finite. Dividing
+     by a power of two is exact, so the only rounding is the conversion to E4M3 (to nearest, ties to even), and
+     every backend and kernel gives the same bits (below the top scale the clip never changes a finite result;
+     kernels keep it so their conversions never see an out-of-range value);
   4. if the group holds a NaN or an infinity (amax is not finite): every q of the group is the positive NaN of
      E4M3 (byte 0x7F) and scale is the float32 quiet NaN (0x7FC00000); other groups are unaffected.
 
@@ -271,7 +300,7 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
   float32 subnormal inputs
   (|x| < 2^-126) are outside the contract: XLA on CPU flushes them to zero. `dequantize_fp8_blockwise` gives q * scale;
   for finite x its error is at most |x| * 2^-4 + scale * 2^-10 per element (E4M3 keeps 3 mantissa bits; 2^-10
-  is half the spacing of its subnormals).
+  is half the spacing of its subnormals), and the result is finite (also for values near the float32 maximum).
 
   Args:
     x: `[M, K]` bfloat16, float16 or float32 with K % 128 == 0 (M may be 0).
@@ -386,8 +415,9 @@ def quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Quantizes weights to FP8 E4M3 with one FP32 scale per 128x128 block.
 
   Each 128x128 block of the last two dims is quantized exactly as a 1x128 group of `quantize_fp8_blockwise`
-  (scale = smallest power of two with max(amax, 1e-12) <= 448 * scale, q = e4m3(clip(w / scale, -448, 448)),
-  NaN/inf block -> q 0x7F and scale 0x7FC00000, all-zero block -> scale 2^-48). When N or K is not a multiple of 128 the edge blocks are
+  (scale = smallest power of two with max(amax, 1e-12) <= 448 * scale, q = e4m3(clip(w / scale, -L, L)) with
+  L = 448, or 240 at the top scale 2^120 so that the dequantized values stay finite, NaN/inf block -> q 0x7F and
+  scale 0x7FC00000, all-zero block -> scale 2^-48). When N or K is not a multiple of 128 the edge blocks are
   padded with zeros for the amax only; the padding is not returned.
 
   Args:
@@ -473,7 +503,8 @@ def _jax_quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> 
   biased = jnp.clip(_pow2_scale_exponent(amax), 0, 254)
   # 1 / scale = 2^(127 - biased), a normal float32 (biased <= 247 for finite amax): the product is exact.
   inv_scale = _pow2(254 - biased)
-  q = (g * inv_scale[..., None]).astype(jnp.float8_e4m3fn)
+  limit = _e4m3_limit(biased)[..., None]
+  q = jnp.clip(g * inv_scale[..., None], -limit, limit).astype(jnp.float8_e4m3fn)
   q = _where_bits(bad[..., None], E4M3_NAN_BITS, q).reshape(m, cols * MX_BLOCK)[:, :k]
   biased = jnp.where(bad, E8M0_NAN_BITS, biased).astype(jnp.uint8)
   return q, jax.lax.bitcast_convert_type(biased, jnp.float8_e8m0fnu)
@@ -489,13 +520,15 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple
   2. `scale = 2^e` with `e` the smallest integer in [-127, 127] such that `amax <= 448 * 2^e`, computed exactly
      from the bits of amax (no logarithm); an all-zero block therefore gets the smallest scale, 2^-127 (byte
      0x00), and zero values;
-  3. `q = e4m3(g * 2^-e)`: the product is exact and |g * 2^-e| <= 448, so no saturation is needed; the
-     conversion rounds to nearest even;
+  3. `q = e4m3(clip(g * 2^-e, -L, L))`: the product is exact and |g * 2^-e| <= 448; L = 448, except at the
+     largest scale of a finite block, 2^120, where L = 240 (as in `quantize_fp8_blockwise`: the code 256 would
+     dequantize to 2^128 = inf); the conversion rounds to nearest even;
   4. if the block holds a NaN or an infinity: scale is the E8M0 NaN (byte 0xFF) and every q of the block is the
      E4M3 NaN (0x7F); other blocks are unaffected.
 
   Values in the padded columns are not returned; blocks made only of padding have scale 2^-127.
-  For finite x the error of `dequantize_mxfp8` is at most |x| * 2^-4 + scale * 2^-10 per element.
+  For finite x the error of `dequantize_mxfp8` is at most |x| * 2^-4 + scale * 2^-10 per element, and its
+  result is finite.
 
   Args:
     x: `[M, K]` bfloat16, float16 or float32; K % 32 == 0 unless `mx_alignment` is given.
@@ -644,7 +677,10 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
   Args:
     x: `[M, K]` bfloat16, float16 or float32 with K % 16 == 0.
     global_scale: `[] float32` decode factor, positive and finite (None: derived from x as in step 1). Give one
-      to share a scale between tensors, e.g. across ranks.
+      to share a scale between tensors, e.g. across ranks. A concrete value (a Python or NumPy number, a
+      committed array) is checked. A traced one (under `jax.jit`, where its value is not known) cannot be: there
+      a zero or negative scale gives all-zero codes (every block dequantizes to 0) and a NaN or infinite one
+      gives blocks that dequantize to NaN, with no error.
 
   Returns:
     x_q: `[M, K/2] uint8`, two E2M1 codes per byte.
@@ -653,7 +689,8 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
 
   Raises:
     TypeError: x is not bfloat16, float16 or float32, or global_scale is not a float scalar.
-    ValueError: x is not 2-D, K % 16 != 0 or K == 0, or global_scale is not a scalar.
+    ValueError: x is not 2-D, K % 16 != 0 or K == 0, or global_scale is not a scalar, or a concrete global_scale
+      is zero, negative, infinite or NaN.
   """
   # Type and shape checks
   op = "quantize_nvfp4"
@@ -663,6 +700,7 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
     raise ValueError(f"{op}: x must be [M, K] with K % {NVFP4_BLOCK} == 0 and K > 0, got shape {tuple(x.shape)}")
   if global_scale is not None:
     global_scale = _check_global_scale(op, global_scale)
+    _check_global_scale_value(op, global_scale)
   return _jax_quantize_nvfp4(x, global_scale=global_scale)
 
 

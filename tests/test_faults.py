@@ -6,6 +6,16 @@
   runs independent ops of a device program concurrently and in any order, and a device waiting inside a one-sided
   call for a peer that waits inside a collective for it deadlocks. Checked on the compiled HLO, and by many jitted
   training steps, each run in a subprocess under a time limit (a deadlock ends in XLA aborting the process).
+- A NaN or an infinity in one expert's rows, weights or cotangents, or in rows no expert owns, changes no other
+  expert's outputs, row gradients or weight gradients, on every path of the expert MLP (the tiled and ragged_dot
+  twins, the bf16 and FP8 MLPs on both implementations) and in every grouped GEMM.
+- Group sizes whose running total passes int32 clamp in the twins as in the custom calls; group sizes given as a
+  list of ints are taken, other values refused by name.
+- quantize_nvfp4 refuses a concrete global scale that is zero, negative or not finite.
+- FP8 round trips (blockwise, MXFP8, weights) of values near the float32 and bfloat16 maximum stay finite, the
+  custom call equal to the twin bit for bit.
+- The handlers check their attributes before any arithmetic on them: reached directly with num_ranks=0, dispatch
+  returns an error instead of killing the process (run in a subprocess, so a crash fails the cases).
 """
 
 import functools
@@ -22,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import _ffi, a2a, moe
+from jax_moe_a2a import _ffi, a2a, experts, grouped_gemm, moe, quant
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 
@@ -357,6 +367,363 @@ def test_300_training_steps_with_a_workspace_finish(mesh_shape, dtype):
 def test_200_training_steps_with_a_workspace_finish_on_one_gpu():
   devices(1)
   _run_stress((1, 1), "bfloat16", steps=200, timeout_s=300)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A NaN or an infinity in one expert's rows or weights stays in that expert's outputs and gradients
+# ----------------------------------------------------------------------------------------------------------------
+
+_NAN_SIZES = (3, 0, 6, 4)  # 16 rows: 13 owned (one group empty), 3 that no expert owns
+_NAN_ROWS, _NAN_HIDDEN, _NAN_FFN = 16, 128, 128
+
+
+def _owner(sizes, rows):
+  own, start = np.full(rows, -1), 0
+  for g, n in enumerate(sizes):
+    own[start:start + n] = g
+    start += n
+  return own
+
+
+def _mlp(path):
+  """fn(x, group_sizes, weights) of one path of the expert MLP."""
+  if path.startswith("reference_"):  # swiglu_mlp_reference with this method
+    method = path[len("reference_"):]
+    return lambda x, gs, w: experts.swiglu_mlp_reference(x, gs, w, compute_dtype=jnp.float32, method=method)
+  kind, impl = path.rsplit("_", 1)
+  if kind == "bf16":
+    return lambda x, gs, w: experts.swiglu_mlp_bf16(x, gs, w, impl=impl)
+  if kind == "fp8":
+    return lambda x, gs, w: experts.swiglu_mlp_fp8(x, gs, w, impl=impl)
+  # fp8_masked: [G, R, hidden] rows, group g owning its first sizes[g]
+  def masked(x, gs, w):
+    xm = x.reshape(len(_NAN_SIZES), -1, x.shape[-1])
+    return experts.swiglu_mlp_fp8(xm, gs, w, impl=impl).reshape(x.shape)
+  return masked
+
+
+_MLP_PATHS = ["reference_tiled", "reference_ragged_dot", "bf16_ffi", "bf16_reference", "fp8_ffi", "fp8_reference",
+              "fp8_masked_ffi", "fp8_masked_reference"]
+
+
+@pytest.mark.parametrize("poison", ["rows", "weights", "rows_no_expert_owns"])
+@pytest.mark.parametrize("path", _MLP_PATHS)
+def test_a_nan_in_one_expert_changes_no_other_expert_s_outputs_or_gradients(path, poison):
+  """NaN and inf in one expert's rows (and their cotangents), in its weights, or in rows no expert owns: every other
+  expert's outputs, row gradients and weight gradients keep their bits, and unowned rows give 0. Without the fixes the
+  tiled backward ran a group's last tile into the next group's rows (0 * NaN reached its weight gradients), and
+  jax.lax.ragged_dot (the twins of the grouped GEMMs) spread a NaN in one group's weights to every row."""
+  masked = "masked" in path
+  sizes, rows = _NAN_SIZES, _NAN_ROWS
+  if masked:  # 4 rows per group: owner of row (g, r) is g for r < sizes[g]
+    sizes = (3, 0, 4, 2)
+    own = np.array([g if r < n else -1 for g, n in enumerate(sizes) for r in range(rows // len(sizes))])
+  else:
+    own = _owner(sizes, rows)
+  rng = np.random.default_rng(0)
+  num_groups = len(sizes)
+  x = rng.standard_normal((rows, _NAN_HIDDEN)).astype(np.float32)
+  gu = (rng.standard_normal((num_groups, 2 * _NAN_FFN, _NAN_HIDDEN)) / 16).astype(np.float32)
+  dn = (rng.standard_normal((num_groups, _NAN_HIDDEN, _NAN_FFN)) / 16).astype(np.float32)
+  ct = rng.standard_normal((rows, _NAN_HIDDEN)).astype(np.float32)
+  fn = _mlp(path)
+
+  @jax.jit
+  def run(x, gu, dn, ct):
+    f = lambda x, gu, dn: fn(x, jnp.asarray(sizes, jnp.int32), experts.ExpertWeights(gu, dn)).astype(jnp.float32)
+    y, vjp = jax.vjp(f, x, gu, dn)
+    return (y, *vjp(ct))
+
+  with jax.default_matmul_precision("highest"):
+    clean = [np.asarray(a) for a in run(x, gu, dn, ct)]
+    if poison == "rows":
+      bad_g = 2
+      x[own == bad_g, 5], x[own == bad_g, 9], ct[own == bad_g, 7] = np.nan, np.inf, np.nan
+    elif poison == "weights":
+      bad_g = 0
+      gu[bad_g, 3, 5], dn[bad_g, 9, 2] = np.nan, np.inf
+    else:
+      bad_g = -1
+      x[own == -1], ct[own == -1] = np.nan, np.inf
+    bad = [np.asarray(a) for a in run(x, gu, dn, ct)]
+  others = own != bad_g
+  for name, c, b in (("y", clean[0], bad[0]), ("dx", clean[1], bad[1])):
+    np.testing.assert_array_equal(_bits(b[others]), _bits(c[others]), err_msg=f"{name}: rows of other experts")
+  for name, c, b in (("dw_gate_up", clean[2], bad[2]), ("dw_down", clean[3], bad[3])):
+    for e in range(num_groups):
+      if e != bad_g:
+        np.testing.assert_array_equal(_bits(b[e]), _bits(c[e]), err_msg=f"{name}[{e}]")
+  assert np.all(bad[0][own == -1] == 0)
+
+
+_OP_PATHS = ["fp8_contiguous", "fp8_masked", "bf16_nk", "bf16_kn", "bf16_wgrad"]
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("op", _OP_PATHS)
+def test_a_nan_in_one_group_of_a_grouped_gemm_reaches_no_other_group(op, impl):
+  """Each grouped GEMM, a NaN in group 0's weights (in group 2's rows for the weight gradient): the other groups'
+  results keep their bits."""
+  rng = np.random.default_rng(1)
+  sizes = jnp.asarray(_NAN_SIZES, jnp.int32)
+  num_groups, rows, k, n = len(_NAN_SIZES), _NAN_ROWS, 128, 128
+  own = _owner(_NAN_SIZES, rows)
+  a = rng.standard_normal((rows, k)).astype(np.float32)
+  b = rng.standard_normal((num_groups, n, k)).astype(np.float32)
+
+  def run(a, b):
+    if op.startswith("fp8"):
+      lhs = a.reshape(num_groups, rows // num_groups, k) if op == "fp8_masked" else a
+      q, q_sf = quant.quantize_fp8_blockwise(jnp.asarray(lhs.reshape(-1, k)), impl="reference")
+      q, q_sf = q.reshape(*lhs.shape), q_sf.reshape(*lhs.shape[:-1], k // 128)
+      w, w_sf = quant.quantize_fp8_weight(jnp.asarray(b))
+      return np.asarray(grouped_gemm.grouped_gemm_fp8(q, q_sf, w, w_sf, sizes, impl=impl).astype(jnp.float32))
+    a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+    if op == "bf16_wgrad":
+      return np.asarray(grouped_gemm.grouped_gemm_bf16_wgrad(a16, a16 * 2, sizes, impl=impl))
+    if op == "bf16_kn":
+      b16 = jnp.swapaxes(b16, 1, 2)
+    return np.asarray(grouped_gemm.grouped_gemm_bf16(a16, b16, sizes, b_layout=op[-2:], impl=impl)
+                      .astype(jnp.float32))
+
+  clean = run(a, b)
+  if op == "bf16_wgrad":
+    a[own == 2, 3] = np.nan
+    bad = run(a, b)
+    for e in (0, 1, 3):
+      np.testing.assert_array_equal(_bits(bad[e]), _bits(clean[e]), err_msg=f"group {e}")
+    return
+  b[0, 5, 7] = np.nan
+  bad = run(a, b)
+  if op == "fp8_masked":
+    clean, bad = clean.reshape(num_groups, -1, n)[1:], bad.reshape(num_groups, -1, n)[1:]
+  else:
+    clean, bad = clean[own != 0], bad[own != 0]
+  np.testing.assert_array_equal(_bits(bad), _bits(clean))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Group sizes: a running total past int32 saturates as in the custom call; host lists are taken
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _gemm_operands(num_groups=3, rows=8):
+  rng = np.random.default_rng(2)
+  a = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((num_groups, 128, 128)), jnp.float32)
+  q, q_sf = quant.quantize_fp8_blockwise(a, impl="reference")
+  w, w_sf = quant.quantize_fp8_weight(b)
+  return (q, q_sf, w, w_sf), (a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("sizes", [[2**31 - 1, 1, 1], [5, 2**31 - 1, 2**31 - 1], [-4, 2**31 - 2, 3]],
+                         ids=["first_huge", "two_huge", "negative_then_huge"])
+def test_group_sizes_whose_running_total_passes_int32_clamp_as_the_custom_call_does(sizes):
+  """The twin's int32 cumulative sum wrapped: with sizes [2**31 - 1, 1, 1] groups 1 and 2 came out starting at a
+  negative row and took rows the custom call gives to group 0 alone."""
+  fp8, (a, b) = _gemm_operands()
+  gs = jnp.asarray(sizes, jnp.int32)
+  pairs = {
+      "fp8": [grouped_gemm.grouped_gemm_fp8(*fp8, gs, impl=i) for i in ("ffi", "reference")],
+      "bf16": [grouped_gemm.grouped_gemm_bf16(a, b, gs, impl=i) for i in ("ffi", "reference")],
+      "wgrad": [grouped_gemm.grouped_gemm_bf16_wgrad(a, a, gs, impl=i) for i in ("ffi", "reference")],
+  }
+  # The custom call's rule, in Python integers: each group takes what it asks for of the rows that are left.
+  want_start, want_size, taken = [], [], 0
+  for v in sizes:
+    want_start.append(taken)
+    want_size.append(min(max(v, 0), 8 - taken))
+    taken += want_size[-1]
+  start, size = grouped_gemm.owned_rows(gs, 8, masked=False)
+  np.testing.assert_array_equal(np.asarray(start), want_start)
+  np.testing.assert_array_equal(np.asarray(size), want_size)
+  for name, (ffi, ref) in pairs.items():
+    ffi, ref = np.asarray(ffi, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(ref, ffi, rtol=2e-2, atol=1e-2, err_msg=name)
+    assert np.abs(ffi).max() > 0
+
+
+def test_group_sizes_given_as_a_list_or_an_int32_numpy_array_are_taken():
+  fp8, (a, b) = _gemm_operands(num_groups=2)
+  want = np.asarray(grouped_gemm.grouped_gemm_fp8(*fp8, jnp.asarray([4, 4], jnp.int32), impl="reference"),
+                    np.float32)
+  for sizes in ([4, 4], (4, 4), [np.int64(4), 4], np.array([4, 4], np.int32)):
+    got = grouped_gemm.grouped_gemm_fp8(*fp8, sizes, impl="reference")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+  want = np.asarray(grouped_gemm.grouped_gemm_bf16(a, b, jnp.asarray([4, 4], jnp.int32), impl="reference"))
+  np.testing.assert_array_equal(np.asarray(grouped_gemm.grouped_gemm_bf16(a, b, [4, 4], impl="reference")), want)
+  want = np.asarray(grouped_gemm.grouped_gemm_bf16_wgrad(a, a, jnp.asarray([4, 4], jnp.int32), impl="reference"))
+  np.testing.assert_array_equal(
+      np.asarray(grouped_gemm.grouped_gemm_bf16_wgrad(a, a, (4, 4), impl="reference")), want)
+
+
+@pytest.mark.parametrize("sizes, error, match", [
+    ([4.0, 4.0], TypeError, r"grouped_gemm_fp8: group_sizes must be int32 \[G\] \(an int32 array, or a list of "
+                            r"ints\), got a list of float64"),
+    (np.array([4, 4], np.int64), TypeError, r"grouped_gemm_fp8: group_sizes must be int32, got int64"),
+    ([True, False], TypeError, r"grouped_gemm_fp8: group_sizes must be int32 \[G\] .*, got a list of bool"),
+    ([2**31, 0], ValueError, r"grouped_gemm_fp8: group_sizes must fit int32 \[-2147483648, 2147483647\], got values "
+                             r"in \[0, 2147483648\]"),
+])
+def test_group_sizes_that_are_not_int32_values_are_refused_by_name(sizes, error, match):
+  fp8, _ = _gemm_operands(num_groups=2)
+  with pytest.raises(error, match=match):
+    grouped_gemm.grouped_gemm_fp8(*fp8, sizes, impl="reference")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NVFP4: a concrete global scale must be positive and finite
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, -1.0, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("form", ["python", "numpy", "jax"])
+def test_quantize_nvfp4_refuses_a_global_scale_that_is_not_positive_and_finite(value, form):
+  """Before: a zero or negative scale gave all-zero codes, a non-finite one blocks that dequantize to NaN."""
+  gs = {"python": value, "numpy": np.float32(value), "jax": jnp.float32(value)}[form]
+  x = jnp.ones((2, 32), jnp.float32)
+  with pytest.raises(ValueError, match=r"quantize_nvfp4: global_scale must be positive and finite "
+                                       r"\(0 < global_scale < inf\), got (-?0\.0|-1\.0|nan|-?inf)"):
+    quant.quantize_nvfp4(x, global_scale=gs)
+
+
+def test_quantize_nvfp4_under_jit_runs_as_documented_with_an_unchecked_scale():
+  """A traced global scale cannot be checked: zero gives all-zero codes (blocks dequantize to 0), NaN gives NaN."""
+  x = jnp.ones((2, 32), jnp.float32)
+  f = jax.jit(lambda x, gs: quant.dequantize_nvfp4(*quant.quantize_nvfp4(x, global_scale=gs)[:2], gs))
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, gs: quant.quantize_nvfp4(x, global_scale=gs)[0])(
+      x, jnp.float32(0.0))), 0)
+  assert np.all(np.asarray(f(x, jnp.float32(0.0))) == 0)
+  assert np.all(np.isnan(np.asarray(f(x, jnp.float32(np.nan)))))
+  np.testing.assert_allclose(np.asarray(f(x, jnp.float32(1 / 1024))), 1.0, rtol=2**-4)  # a valid scale works
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 round trips of values near the float32 and bfloat16 maximum stay finite
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _near_max(dtype):
+  """[4, 128] values in the top binade of `dtype` (its maximum among them), both signs, and one small row."""
+  top = float(jnp.finfo(dtype).max)
+  rng = np.random.default_rng(3)
+  x = (top * (1.0 - rng.random((4, 128)) * 0.1) * rng.choice([-1.0, 1.0], (4, 128))).astype(np.float32)
+  x[0, 0], x[1, 5], x[2] = top, -top, np.linspace(-1, 1, 128)
+  return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["fp8_blockwise_ffi", "fp8_blockwise_reference", "mxfp8", "fp8_weight"])
+def test_values_near_the_maximum_stay_finite_after_an_fp8_round_trip(fmt, dtype):
+  """Before: the E4M3 code of the largest values rounded up to 256 at scale 2^120, and 256 * 2^120 = 2^128 is inf.
+  The error stays within the documented bound |x| * 2^-4 + scale * 2^-10."""
+  x = _near_max(jnp.dtype(dtype))
+  if fmt.startswith("fp8_blockwise"):
+    q, sf = quant.quantize_fp8_blockwise(x, impl=fmt.rsplit("_", 1)[1])
+    y, scale = quant.dequantize_fp8_blockwise(q, sf), np.repeat(np.asarray(sf), 128, axis=1)
+  elif fmt == "mxfp8":
+    q, sf = quant.quantize_mxfp8(x)
+    y, scale = quant.dequantize_mxfp8(q, sf), np.repeat(np.asarray(sf, np.float32), 32, axis=1)
+  else:
+    w = jnp.tile(x, (32, 1))  # one 128x128 block
+    q, sf = quant.quantize_fp8_weight(w)
+    x, y, scale = w, quant.dequantize_fp8_weight(q, sf), np.full(w.shape, float(np.asarray(sf).max()))
+  xf, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  assert np.all(np.isfinite(y)), f"{np.sum(~np.isfinite(y))} values came back non-finite"
+  assert np.all(np.abs(y - xf) <= np.abs(xf) * 2**-4 + scale * 2**-10)
+  if dtype == "bfloat16":  # the dequantized values are finite in bfloat16 too
+    assert np.all(np.isfinite(np.asarray(y.astype(np.float32)).astype(jnp.bfloat16).astype(np.float32)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_custom_call_quantizes_values_near_the_maximum_as_the_twin_does(dtype):
+  x = _near_max(jnp.dtype(dtype))
+  got, want = (quant.quantize_fp8_blockwise(x, impl=i) for i in ("ffi", "reference"))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Handlers check their attributes before any arithmetic on them (each case in one subprocess: a crash fails it)
+# ----------------------------------------------------------------------------------------------------------------
+
+_DISPATCH_ATTRS = dict(buffer_stride=0, capacity=2, num_ranks=1, off_flags=0, off_sync=0, workspace=-1, site=0,
+                       num_experts=2, off_x=0, off_x_sf=0, off_ids=0, off_weights=0, off_counts=0, off_ready=0,
+                       off_ll=0, off_scan=0, ll_tokens=0, ll_row_bytes=0)
+_COMBINE_ATTRS = dict(buffer_stride=0, capacity=2, num_ranks=1, off_flags=0, off_sync=0, workspace=-1, site=0,
+                      off_combine=0, off_ready=0)
+_ATTR_CASES = {  # name: (target, changed attributes, message)
+    "dispatch_valid_attributes": ("dispatch", {}, r"workspace -1 does not exist"),
+    "dispatch_num_ranks_0": ("dispatch", {"num_ranks": 0},
+                             r"jax_moe_a2a_dispatch: num_ranks must be in \[1, 65536\], got 0"),
+    "dispatch_num_ranks_negative": ("dispatch", {"num_ranks": -2},
+                                    r"jax_moe_a2a_dispatch: num_ranks must be in \[1, 65536\], got -2"),
+    "dispatch_capacity_negative": ("dispatch", {"capacity": -1},
+                                   r"jax_moe_a2a_dispatch: capacity must be in \[0, 2147483647\], got -1"),
+    "dispatch_capacity_too_large": ("dispatch", {"num_ranks": 4, "capacity": 2**40},
+                                    r"jax_moe_a2a_dispatch: capacity must be in \[0, 536870911\], got 1099511627776"),
+    "dispatch_offset_negative": ("dispatch", {"off_x": -16},
+                                 r"jax_moe_a2a_dispatch: off_x must be in \[0, 281474976710656\], got -16"),
+    "dispatch_num_experts_0": ("dispatch", {"num_experts": 0},
+                               r"jax_moe_a2a_dispatch: num_experts must be in \[1, 2147483647\], got 0"),
+    "combine_num_ranks_0": ("combine", {"num_ranks": 0},
+                            r"jax_moe_a2a_combine: num_ranks must be in \[1, 65536\], got 0"),
+    "combine_stride_negative": ("combine", {"buffer_stride": -1},
+                                r"jax_moe_a2a_combine: buffer_stride must be in \[0, 281474976710656\], got -1"),
+    "grouped_gemm_bf16_mode_7": ("grouped_gemm_bf16", {"mode": 7},
+                                 r"jax_moe_a2a_grouped_gemm_bf16: mode must be 0 \(NT\), 1 \(NN\) or 2 \(TN\), got 7"),
+}
+
+
+def _call_with_attrs(case: str) -> str:
+  """Runs one case of _ATTR_CASES on one device; returns the error message ('' if it ran)."""
+  target, changed, _ = _ATTR_CASES[case]
+  sds = jax.ShapeDtypeStruct
+  if target == "dispatch":
+    t, r = 2, 1
+    args = (jnp.ones((t, 8), jnp.bfloat16), jnp.zeros((t, 0), jnp.uint8), jnp.zeros((t, 1), jnp.int32),
+            jnp.ones((t, 1), jnp.float32), jnp.zeros((1,), jnp.uint8))
+    out = (sds((r, t, 8), jnp.bfloat16), sds((r, t, 0), jnp.uint8), sds((r, t, 1), jnp.int32),
+           sds((r, t, 1), jnp.float32), sds((r,), jnp.int32), sds((t, r), jnp.int32))
+    attrs = {**_DISPATCH_ATTRS, **changed}
+  elif target == "combine":
+    args = (jnp.ones((1, 2, 8), jnp.bfloat16), jnp.zeros((1,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+            jnp.zeros((1,), jnp.uint8))
+    out = sds((2, 8), jnp.bfloat16)
+    attrs = {**_COMBINE_ATTRS, **changed}
+  else:
+    args = (jnp.ones((4, 8), jnp.bfloat16), jnp.ones((1, 8, 8), jnp.bfloat16), jnp.asarray([4], jnp.int32))
+    out = (sds((4, 8), jnp.bfloat16), sds((0,), jnp.uint8))
+    attrs = {"mode": np.int32(changed["mode"])}
+  attrs = {k: (v if isinstance(v, np.int32) else np.int64(v)) for k, v in attrs.items()}
+  try:
+    jax.block_until_ready(jax.jit(lambda *a: _ffi.ffi_call(target, out, *a, **attrs))(*args))
+  except Exception as e:  # pylint: disable=broad-except
+    return str(e)
+  return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _attr_case_results() -> tuple[int, str]:
+  """Runs every case in one subprocess (a SIGFPE ends it): (return code, its output)."""
+  cmd = [sys.executable, __file__, "attrs", *_ATTR_CASES]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+  return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("case", list(_ATTR_CASES))
+def test_a_custom_call_with_a_bad_attribute_returns_an_error_naming_it(case):
+  """Reached directly (jax.ffi.ffi_call) with num_ranks=0, the dispatch handler divided by it and SIGFPE killed the
+  process; every handler now checks its attributes' ranges first and returns an error naming the attribute."""
+  rc, output = _attr_case_results()
+  line = next((l for l in output.splitlines() if l.startswith(f"case {case}: ")), None)
+  assert line is not None, f"no result for {case} (the subprocess ended with rc {rc}):\n{output[-4000:]}"
+  assert re.search(_ATTR_CASES[case][2], line), line
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["attrs"]:
+  for _case in sys.argv[2:]:
+    print(f"case {_case}: " + _call_with_attrs(_case).replace("\n", " ")[:2000], flush=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["stress"]:

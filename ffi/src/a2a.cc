@@ -21,6 +21,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "a2a_protocol.h"
@@ -58,6 +59,54 @@ struct CombineAttrs {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
+// Attribute checks (shared by both platforms), before any arithmetic on the attributes
+// ---------------------------------------------------------------------------------------------------------------
+
+// NOTES: a2a.Workspace.attrs makes every attribute, but the targets can be reached directly (jax.ffi.ffi_call), so
+//   each handler checks their ranges first: num_ranks divides (num_experts / num_ranks) and multiplies, capacity and
+//   the offsets enter the byte counts. With these bounds no product or sum of the geometry overflows int64 (byte
+//   counts of a row are those of buffers XLA allocated), and slot ids (num_ranks * capacity) fit int32.
+constexpr int64_t kMaxAttrRanks = int64_t{1} << 16;
+constexpr int64_t kMaxAttrBytes = int64_t{1} << 48;  // byte offsets and strides
+constexpr int64_t kMaxInt32 = 0x7FFFFFFF;
+
+ffi::Error CheckRange(const char* op, const char* name, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) return InvalidArg(op, name, "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", v);
+  return ffi::Error::Success();
+}
+
+// The members DispatchAttrs and CombineAttrs share.
+template <typename Attrs>
+ffi::Error CheckCommonAttrs(const char* op, const Attrs& a) {
+  if (auto e = CheckRange(op, "num_ranks", a.num_ranks, 1, kMaxAttrRanks); e.failure()) return e;
+  if (auto e = CheckRange(op, "capacity", a.capacity, 0, kMaxInt32 / a.num_ranks); e.failure()) return e;
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"buffer_stride", a.buffer_stride},
+                         {"off_flags", a.off_flags}, {"off_sync", a.off_sync}}) {
+    if (auto e = CheckRange(op, name, v, 0, kMaxAttrBytes); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckDispatchAttrs(const DispatchAttrs& a) {
+  if (auto e = CheckCommonAttrs(kDispatchOp, a); e.failure()) return e;
+  if (auto e = CheckRange(kDispatchOp, "num_experts", a.num_experts, 1, kMaxInt32); e.failure()) return e;
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"off_x", a.off_x}, {"off_x_sf", a.off_x_sf},
+                         {"off_ids", a.off_ids}, {"off_weights", a.off_weights}, {"off_counts", a.off_counts},
+                         {"off_ready", a.off_ready}, {"off_ll", a.off_ll}, {"off_scan", a.off_scan}}) {
+    if (auto e = CheckRange(kDispatchOp, name, v, 0, kMaxAttrBytes); e.failure()) return e;
+  }
+  return CheckRange(kDispatchOp, "ll_row_bytes", a.ll_row_bytes, 0, kMaxInt32);
+}
+
+ffi::Error CheckCombineAttrs(const CombineAttrs& a) {
+  if (auto e = CheckCommonAttrs(kCombineOp, a); e.failure()) return e;
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"off_combine", a.off_combine}, {"off_ready", a.off_ready}}) {
+    if (auto e = CheckRange(kCombineOp, name, v, 0, kMaxAttrBytes); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Shape checks and workspace geometry (shared by both platforms)
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -79,6 +128,7 @@ ffi::Error CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_sf, co
                          const ffi::AnyBuffer& recv_x_sf, const ffi::Buffer<ffi::S32>& recv_ids,
                          const ffi::Buffer<ffi::F32>& recv_weights, const ffi::Buffer<ffi::S32>& recv_counts,
                          const ffi::Buffer<ffi::S32>& send_slot, DispatchGeometry* g) {
+  if (auto e = CheckDispatchAttrs(*g); e.failure()) return e;
   const auto id_dims = ids.dimensions();
   if (id_dims.size() != 2) return InvalidArg(kDispatchOp, "topk_ids", "[T, top_k]", DimsToString(id_dims));
   g->num_tokens = id_dims[0];
@@ -292,6 +342,7 @@ bool IsCombineFloat(ffi::DataType dt) { return dt == ffi::DataType::BF16 || dt =
 
 ffi::Error CheckCombine(const ffi::AnyBuffer& expert_out, const ffi::Buffer<ffi::S32>& recv_counts,
                         const ffi::Buffer<ffi::S32>& send_slot, const ffi::AnyBuffer& out, CombineGeometry* g) {
+  if (auto e = CheckCombineAttrs(*g); e.failure()) return e;
   const auto dims = expert_out.dimensions();
   if (dims.size() != 3 || dims[0] != g->num_ranks) {
     return InvalidArg(kCombineOp, "expert_out", "[R = " + std::to_string(g->num_ranks) + ", T, hidden]",

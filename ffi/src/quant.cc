@@ -117,8 +117,9 @@ void QuantizeRows(Load load, int64_t m, int64_t k, uint8_t* x_q, float* x_sf, bo
         float inv_scale;
         std::memcpy(&scale, &scale_bits, sizeof(scale));
         std::memcpy(&inv_scale, &inv_bits, sizeof(inv_scale));
+        const float limit = E4m3Limit(biased);
         for (int i = 0; i < kGroup; ++i) {
-          const float q = std::fmin(std::fmax(v[i] * inv_scale, -kE4m3Max), kE4m3Max);
+          const float q = std::fmin(std::fmax(v[i] * inv_scale, -limit), limit);
           out[i] = FloatToE4m3(q);
         }
       } else {

@@ -4,7 +4,9 @@
 //   For each group g of kGroup consecutive values of a row (values upcast to float32):
 //     amax  = max |x|                                                      (exact)
 //     scale = 2^e, the smallest power of two with max(amax, kAmaxFloor) <= 448 * 2^e   (from the bits, exact)
-//     q     = e4m3_rne(clamp(x * 2^-e, -448, 448))                          (the product is exact)
+//     q     = e4m3_rne(clamp(x * 2^-e, -L, L))                              (the product is exact)
+//   with L = 448, or 240 at the top scale 2^120 (E4m3Limit): a value near the float32 maximum would round to the
+//   code 256 there, and 256 * 2^120 = 2^128 overflows float32 on dequantization.
 //   A group whose amax is not finite (it holds NaN or +-inf) gets q = 0x7F (E4M3 NaN) for every value and
 //   scale = the canonical float32 quiet NaN (0x7FC00000).
 //   With a power-of-two scale the only rounding is the conversion to E4M3, so the pure-JAX twin (whatever XLA
@@ -31,6 +33,17 @@ __host__ __device__
 inline uint32_t ScaleExponent(uint32_t amax_bits) {
   return ((amax_bits >> 23) & 0xFFu) - 8u + ((amax_bits & 0x7FFFFFu) > 0x600000u ? 1u : 0u);
 }
+
+// The largest scale a finite amax gets is 2^120 (biased exponent 247: amax in [1.75 * 2^127, 2^128)); there the
+// scaled values are clamped to 240, the largest E4M3 value whose product with 2^120 is finite.
+constexpr uint32_t kTopScaleBiased = 247;
+constexpr float kE4m3MaxAtTopScale = 240.0f;
+
+// The clamp of the scaled values for a scale of biased exponent `biased` (quant._e4m3_limit).
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline float E4m3Limit(uint32_t biased) { return biased >= kTopScaleBiased ? kE4m3MaxAtTopScale : kE4m3Max; }
 
 // float32 -> E4M3 (fn) with round-to-nearest-even, for |f| <= 448 (the caller clamps). Host only: the CUDA
 // kernel uses the hardware conversion, which rounds the same way.

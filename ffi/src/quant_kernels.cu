@@ -2,7 +2,7 @@
 //
 // NOTES:
 //   - The rule is quant.h's, bit for bit: a power-of-two scale from the bits of amax, an exact product, clamp to
-//     +-448, hardware round-to-nearest-even conversion.
+//     +-E4m3Limit (448, or 240 at the top scale 2^120), hardware round-to-nearest-even conversion.
 //   - One group (128 values) is handled by kGroup / kVec consecutive threads, each loading 16 bytes; the group's
 //     amax is reduced with shuffles inside that lane segment. Every lane takes part in the shuffles, also lanes
 //     past the end (their loads and stores are skipped), so full-warp shuffle masks stay valid.
@@ -127,11 +127,12 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
       const uint32_t biased = ScaleExponent(__float_as_uint(fmaxf(amax, kAmaxFloor)));
       scale = __uint_as_float(biased << 23);
       const float inv_scale = __uint_as_float((254u - biased) << 23);
+      const float limit = E4m3Limit(biased);
 #pragma unroll
       for (int i = 0; i < kVec; i += 2) {
         float2 q;
-        q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -kE4m3Max), kE4m3Max);
-        q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -kE4m3Max), kE4m3Max);
+        q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -limit), limit);
+        q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -limit), limit);
         const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
         bytes[i] = static_cast<uint8_t>(pair & 0xFF);
         bytes[i + 1] = static_cast<uint8_t>(pair >> 8);
