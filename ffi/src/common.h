@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -32,6 +33,22 @@ std::string DimsToString(const Dims& dims) {
 
 std::string DataTypeName(ffi::DataType dtype);
 
+// bfloat16 <-> float32 on the host: widening is exact; narrowing rounds to nearest even and keeps a NaN a (quiet)
+// NaN of the same sign, as XLA and the GPU's conversion do.
+inline float Bf16BitsToFloat(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t FloatToBf16Bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 }  // namespace jax_moe_a2a
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
@@ -46,4 +63,32 @@ std::string DataTypeName(ffi::DataType dtype);
                                          " failed: " + cudaGetErrorString(_err));                             \
     }                                                                                                          \
   } while (0)
+
+namespace jax_moe_a2a {
+
+// Makes `device` the current CUDA device for the enclosing scope (one process may drive several GPUs, and a
+// handler launches on its stream's device); restores the previous one when the scope ends. Check `error()`.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    error_ = cudaGetDevice(&previous_);
+    if (error_ == cudaSuccess && previous_ != device) {
+      error_ = cudaSetDevice(device);
+      switched_ = error_ == cudaSuccess;
+    }
+  }
+  ~ScopedDevice() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  cudaError_t error() const { return error_; }
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+  cudaError_t error_ = cudaSuccess;
+};
+
+}  // namespace jax_moe_a2a
 #endif

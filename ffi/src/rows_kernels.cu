@@ -1,0 +1,225 @@
+// rows_kernels.cu -- the expert stage's row movement on the GPU: gathers by index and weighted sums of k rows.
+//
+// NOTES:
+//   - One warp per output row; each lane handles chunks of 8 values (16 bytes of bfloat16, 32 of float32), chunk
+//     c of a row at lane c % 32, so a warp's loads of one source row are contiguous. Loads use the read-only path
+//     and do not allocate in L1 (each source byte is read once per output row that names it).
+//   - Products and sums use __fmul_rn / __fadd_rn: no fused multiply-add, so the CPU handler and the pure-JAX twin
+//     (a product, then a sum in ascending k) round the same way.
+//   - An index outside the source rows contributes nothing: a zero row for a gather, a term of +0 for a sum (its
+//     source row is not read, so a NaN there reaches no output).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "rows_kernels.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 8;  // values per lane per step
+
+__device__ __forceinline__ uint4 LoadNc(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <typename T>
+struct Chunk;
+
+template <>
+struct Chunk<__nv_bfloat16> {
+  __device__ static void Load(const __nv_bfloat16* p, float* v) {
+    const uint4 raw = LoadNc(p);
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+  __device__ static void Store(__nv_bfloat16* p, const float* v) {
+    uint4 raw;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  }
+};
+
+template <>
+struct Chunk<float> {
+  __device__ static void Load(const float* p, float* v) {
+    const uint4 a = LoadNc(p), b = LoadNc(p + 4);
+    v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z);
+    v[3] = __uint_as_float(a.w), v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y);
+    v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+  }
+  __device__ static void Store(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) GatherRowsKernel(const uint4* __restrict__ x,
+                                                             const int32_t* __restrict__ idx,
+                                                             uint4* __restrict__ out, int64_t num_x_rows,
+                                                             int64_t num_out_rows, int64_t vecs_per_row) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_out_rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t src = idx[row];
+    uint4* dst = out + row * vecs_per_row;
+    if (src < 0 || src >= num_x_rows) {
+      for (int64_t v = lane; v < vecs_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const uint4* from = x + src * vecs_per_row;
+    int64_t v = lane;
+    for (; v + 96 < vecs_per_row; v += 128) {  // four loads in flight per lane
+      const uint4 a = LoadNc(from + v), b = LoadNc(from + v + 32), c = LoadNc(from + v + 64),
+                  d = LoadNc(from + v + 96);
+      dst[v] = a, dst[v + 32] = b, dst[v + 64] = c, dst[v + 96] = d;
+    }
+    for (; v < vecs_per_row; v += 32) dst[v] = LoadNc(from + v);
+  }
+}
+
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kThreads) GatherRowsScaledKernel(const TIn* __restrict__ x,
+                                                                   const int32_t* __restrict__ idx,
+                                                                   const float* __restrict__ scale,
+                                                                   TOut* __restrict__ out, int64_t num_x_rows,
+                                                                   int64_t num_out_rows, int64_t hidden) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_out_rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t src = idx[row];
+    const bool valid = src >= 0 && src < num_x_rows;
+    const float s = scale[row];
+    for (int64_t c = lane * kChunk; c < hidden; c += 32 * kChunk) {
+      float v[kChunk];
+      if (valid) {
+        Chunk<TIn>::Load(x + src * hidden + c, v);
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) v[i] = __fmul_rn(v[i], s);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;
+      }
+      Chunk<TOut>::Store(out + row * hidden + c, v);
+    }
+  }
+}
+
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kThreads) SumRowsKernel(const TIn* __restrict__ y, const int32_t* __restrict__ pos,
+                                                          const float* __restrict__ weights, TOut* __restrict__ out,
+                                                          int64_t num_y_rows, int64_t num_out_rows, int k,
+                                                          int64_t hidden) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_out_rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int32_t* row_pos = pos + row * k;
+    const float* row_w = weights == nullptr ? nullptr : weights + row * k;
+    for (int64_t c = lane * kChunk; c < hidden; c += 32 * kChunk) {
+      float acc[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) acc[i] = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int64_t p = row_pos[j];  // the same address in every lane: one load for the warp
+        float v[kChunk];
+        if (p >= 0 && p < num_y_rows) {
+          const float w = row_w == nullptr ? 1.0f : row_w[j];
+          Chunk<TIn>::Load(y + p * hidden + c, v);
+#pragma unroll
+          for (int i = 0; i < kChunk; ++i) v[i] = __fmul_rn(v[i], w);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;  // a left-out term adds +0, as in the twin
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
+      }
+      Chunk<TOut>::Store(out + row * hidden + c, acc);
+    }
+  }
+}
+
+unsigned Blocks(int64_t rows) {
+  const int64_t want = (rows + kWarps - 1) / kWarps;
+  return static_cast<unsigned>(want < 65536 * 4 ? (want > 0 ? want : 1) : 65536 * 4);
+}
+
+}  // namespace
+
+cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* idx, void* out, int64_t num_x_rows,
+                             int64_t num_out_rows, int64_t row_bytes) {
+  if (num_out_rows == 0) return cudaSuccess;
+  GatherRowsKernel<<<Blocks(num_out_rows), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(x), idx, static_cast<uint4*>(out), num_x_rows, num_out_rows, row_bytes / 16);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherRowsScaled(cudaStream_t stream, RowType in, RowType out_type, const void* x,
+                                   const int32_t* idx, const float* scale, void* out, int64_t num_x_rows,
+                                   int64_t num_out_rows, int64_t hidden) {
+  if (num_out_rows == 0) return cudaSuccess;
+  const unsigned blocks = Blocks(num_out_rows);
+  using bf16 = __nv_bfloat16;
+  if (in == RowType::kBF16 && out_type == RowType::kBF16) {
+    GatherRowsScaledKernel<bf16, bf16><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const bf16*>(x), idx, scale, static_cast<bf16*>(out), num_x_rows, num_out_rows, hidden);
+  } else if (in == RowType::kBF16 && out_type == RowType::kF32) {
+    GatherRowsScaledKernel<bf16, float><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const bf16*>(x), idx, scale, static_cast<float*>(out), num_x_rows, num_out_rows, hidden);
+  } else if (in == RowType::kF32 && out_type == RowType::kBF16) {
+    GatherRowsScaledKernel<float, bf16><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const float*>(x), idx, scale, static_cast<bf16*>(out), num_x_rows, num_out_rows, hidden);
+  } else if (in == RowType::kF32 && out_type == RowType::kF32) {
+    GatherRowsScaledKernel<float, float><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const float*>(x), idx, scale, static_cast<float*>(out), num_x_rows, num_out_rows, hidden);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSumRows(cudaStream_t stream, RowType in, RowType out_type, const void* y, const int32_t* pos,
+                          const float* weights, void* out, int64_t num_y_rows, int64_t num_out_rows, int64_t k,
+                          int64_t hidden) {
+  if (num_out_rows == 0) return cudaSuccess;
+  const unsigned blocks = Blocks(num_out_rows);
+  const int kk = static_cast<int>(k);
+  using bf16 = __nv_bfloat16;
+  if (in == RowType::kBF16 && out_type == RowType::kBF16) {
+    SumRowsKernel<bf16, bf16><<<blocks, kThreads, 0, stream>>>(static_cast<const bf16*>(y), pos, weights,
+                                                               static_cast<bf16*>(out), num_y_rows, num_out_rows,
+                                                               kk, hidden);
+  } else if (in == RowType::kBF16 && out_type == RowType::kF32) {
+    SumRowsKernel<bf16, float><<<blocks, kThreads, 0, stream>>>(static_cast<const bf16*>(y), pos, weights,
+                                                                static_cast<float*>(out), num_y_rows, num_out_rows,
+                                                                kk, hidden);
+  } else if (in == RowType::kF32 && out_type == RowType::kBF16) {
+    SumRowsKernel<float, bf16><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(y), pos, weights,
+                                                                static_cast<bf16*>(out), num_y_rows, num_out_rows,
+                                                                kk, hidden);
+  } else if (in == RowType::kF32 && out_type == RowType::kF32) {
+    SumRowsKernel<float, float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(y), pos, weights,
+                                                                 static_cast<float*>(out), num_y_rows, num_out_rows,
+                                                                 kk, hidden);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe_a2a
