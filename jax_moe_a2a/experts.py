@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe_a2a import grouped_gemm, quant
+from jax_moe_a2a import rows as row_ops
 
 
 @jax.tree_util.register_dataclass
@@ -517,7 +518,8 @@ def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, perm, w_gate_up, w_gate_up_sf, w_down
 
 def _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   q, q_sf = _quantize_rows(rows, st.impl)
-  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), q[perm.src_row], q_sf[perm.src_row],
+  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), row_ops.gather_rows(q, perm.src_row, impl=st.impl),
+                        row_ops.gather_rows(q_sf, perm.src_row, impl=st.impl),
                         perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
   return y, (res, perm)
 
@@ -525,7 +527,7 @@ def _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf
 def _mlp_fp8_rows_bwd(st, res, ct):
   res, perm = res
   dx, _, _, dw_gu, _, dw_dn, _ = _mlp_fp8_bwd(st, res, ct)
-  d_rows, _ = _expand_rows_bwd(perm, dx)
+  d_rows, _ = _expand_rows_bwd(st.impl, perm, dx)
   return d_rows, None, dw_gu, None, dw_dn, None
 
 
@@ -596,7 +598,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     if fp8_rows:
       x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
     elif gemm_impl is None:
-      x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm), "expert_rows"), None
+      x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
   with jax.named_scope("experts"):
     if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
       st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
@@ -606,7 +608,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
       y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
                           method=method, gemm_impl=gemm_impl, impl=impl)
   with jax.named_scope("unpermute"):
-    out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm)
+    out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm, jnp.dtype(out_dtype), impl)
   return out.reshape(num_ranks, capacity, hidden).astype(out_dtype)
 
 
@@ -645,6 +647,10 @@ class _Permutation:
   valid: jax.Array
   group_sizes: jax.Array
 
+  def masked_pos(self) -> jax.Array:
+    """[rows, top_k] int32: each assignment's sorted position, -1 for those of no local expert."""
+    return jnp.where(self.valid, self.pos.reshape(self.valid.shape), -1).astype(jnp.int32)
+
 
 def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   top_k = ids.shape[-1]
@@ -657,56 +663,45 @@ def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   return _Permutation(order=order, pos=pos, src_row=order // top_k, valid=valid, group_sizes=group_sizes)
 
 
-@jax.custom_vjp
-def _expand_rows(rows: jax.Array, perm: _Permutation) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _expand_rows(rows: jax.Array, perm: _Permutation, impl: str) -> jax.Array:
   """``rows[perm.src_row]``: each row once per sorted assignment, [A, hidden]."""
-  return rows[perm.src_row]
+  return row_ops.gather_rows(rows, perm.src_row, impl=impl)
 
 
-def _expand_rows_fwd(rows, perm):
-  return rows[perm.src_row], perm
+def _expand_rows_fwd(rows, perm, impl):
+  return _expand_rows(rows, perm, impl), perm
 
 
-def _expand_rows_bwd(perm, ct):
+def _expand_rows_bwd(impl, perm, ct):
   # Each row's cotangent is the sum over its valid assignments, gathered by position, in ascending k (float32).
-  top_k = perm.valid.shape[-1]
-  ct_k = ct[perm.pos].reshape(-1, top_k, ct.shape[-1])
-  d_rows = jnp.zeros(ct_k[:, 0].shape, jnp.float32)
-  for k in range(top_k):
-    d_rows = d_rows + jnp.where(perm.valid[:, k:k + 1], ct_k[:, k].astype(jnp.float32), 0.0)
-  return d_rows.astype(ct.dtype), None
+  return row_ops.sum_rows(ct, perm.masked_pos(), out_dtype=ct.dtype, impl=impl), None
 
 
 _expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
 
 
-def _weighted_sum(y_k, weights, valid):
-  """Per row, the sum over k of weight_k * y_k, float32 in ascending k; assignments of no local expert add 0."""
-  out = jnp.zeros(y_k[:, 0].shape, jnp.float32)
-  for k in range(y_k.shape[1]):
-    out = out + jnp.where(valid[:, k:k + 1], y_k[:, k].astype(jnp.float32) * weights[:, k:k + 1], 0.0)
-  return out
-
-
-@jax.custom_vjp
-def _reduce_rows(y_sorted: jax.Array, weights: jax.Array, perm: _Permutation) -> jax.Array:
-  """Per row, sum_k weight_k * y_sorted[pos[row, k]] in float32: [rows, hidden]."""
-  top_k = perm.valid.shape[-1]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _reduce_rows(y_sorted: jax.Array, weights: jax.Array, perm: _Permutation, out_dtype, impl: str) -> jax.Array:
+  """Per row, sum_k weight_k * y_sorted[pos[row, k]] in float32 (ascending k), then in out_dtype: [rows, hidden];
+  assignments of no local expert add 0."""
   with jax.named_scope("unpermute"):  # the caller's scope is not on a custom_vjp's primal when not differentiated
-    return _weighted_sum(y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1]), weights, perm.valid)
+    return row_ops.sum_rows(y_sorted, perm.masked_pos(), weights.astype(jnp.float32), out_dtype=out_dtype,
+                            impl=impl)
 
 
-def _reduce_rows_fwd(y_sorted, weights, perm):
-  return _reduce_rows(y_sorted, weights, perm), (y_sorted, weights, perm)
+def _reduce_rows_fwd(y_sorted, weights, perm, out_dtype, impl):
+  return _reduce_rows(y_sorted, weights, perm, out_dtype, impl), (y_sorted, weights, perm)
 
 
-def _reduce_rows_bwd(res, ct):
+def _reduce_rows_bwd(out_dtype, impl, res, ct):
+  del out_dtype
   y_sorted, weights, perm = res
   top_k = perm.valid.shape[-1]
   valid_flat = perm.valid.reshape(-1)
   # d y_sorted[i] = weight * ct[row] of the assignment at sorted position i (a gather by order).
-  w_sorted = jnp.where(valid_flat, weights.reshape(-1), 0.0)[perm.order]
-  d_y = (ct[perm.src_row] * w_sorted[:, None]).astype(y_sorted.dtype)
+  w_sorted = jnp.where(valid_flat, weights.reshape(-1), 0.0).astype(jnp.float32)[perm.order]
+  d_y = row_ops.gather_rows(ct, perm.src_row, scale=w_sorted, out_dtype=y_sorted.dtype, impl=impl)
   # d weight[row, k] = <y of the assignment, ct[row]>: a product and a sum over hidden (one reduction fused with
   # the gather, no float32 copy of the gathered rows as a batched dot would take).
   y_k = y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1])
