@@ -396,8 +396,8 @@ def _fp8_operands(st: _Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w
   if st.x_dtype is not None:
     x, x_sf = _quantize_rows(x, st.impl)
   if st.w_dtype is not None:
-    w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up)
-    w_down, w_down_sf = quant.quantize_fp8_weight(w_down)
+    w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up, impl=st.impl)
+    w_down, w_down_sf = quant.quantize_fp8_weight(w_down, impl=st.impl)
   return x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf
 
 

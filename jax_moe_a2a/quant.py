@@ -411,7 +411,15 @@ def _jax_quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q, scale
 
 
-def quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _ffi_quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The custom call jax_moe_a2a_quantize_fp8_weight (CPU handler or CUDA kernel), one pass over w."""
+  *batch, n, k = w.shape
+  out = (jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32))
+  return _ffi.ffi_call("quantize_fp8_weight", out, w)
+
+
+def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Quantizes weights to FP8 E4M3 with one FP32 scale per 128x128 block.
 
   Each 128x128 block of the last two dims is quantized exactly as a 1x128 group of `quantize_fp8_blockwise`
@@ -422,6 +430,10 @@ def quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   Args:
     w: `[..., N, K]` bfloat16, float16 or float32 (any leading dims, e.g. `[num_experts, N, K]`).
+    impl: "ffi" (the custom call jax_moe_a2a_quantize_fp8_weight: one read of w, one write of the codes),
+      "reference" (the pure-JAX twin) or "auto" (see `jax_moe_a2a._ffi.resolve_impl`; the twin where the GPU
+      kernel does not apply: K not a multiple of 16 bytes of w, more than 65535 blocks of 128 rows or 65535
+      matrices). Both give the same bits.
 
   Returns:
     w_q: `[..., N, K] float8_e4m3fn`.
@@ -435,6 +447,15 @@ def quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   op = "quantize_fp8_weight"
   _check_float_input(op, "w", w)
   _weight_dims(op, w, "w")
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    *batch, n, k = w.shape
+    gpu_ok = (k * jnp.dtype(w.dtype).itemsize) % 16 == 0 and -(-n // FP8_BLOCK) <= 65535 and \
+        math.prod(batch) <= 65535
+    if gpu_ok or jax.default_backend() != "gpu":
+      return _ffi_quantize_fp8_weight(w)
+    if impl == "ffi":
+      raise ValueError(f"{op}: impl='ffi' on GPUs needs K a multiple of 16 bytes of w, ceil(N/128) <= 65535 and at "
+                       f"most 65535 matrices, got shape {tuple(w.shape)} of {jnp.dtype(w.dtype).name}")
   return _jax_quantize_fp8_weight(w)
 
 

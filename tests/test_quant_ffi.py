@@ -1,4 +1,5 @@
-"""The FP8 1x128 quantization custom call against its pure-JAX twin: bit for bit, on CPU and on a GPU."""
+"""The FP8 quantization custom calls (1x128 activation groups, 128x128 weight blocks) against their pure-JAX
+twins: bit for bit, on CPU and on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +102,66 @@ def test_gpu_large_bit_exact(block_major_k):
   assert jax.default_backend() == "gpu"
   x = _wide_range(np.random.default_rng(3), 4099, 7168, jnp.bfloat16)
   _assert_same(x, block_major_k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 128x128 weight blocks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _weights(rng, shape, dtype):
+  """Random weights whose 128x128 blocks span many binades (and hold zeros), so every scale is exercised."""
+  *batch, n, k = shape
+  span = 10 if dtype == jnp.float16 else 30
+  w = rng.standard_normal(shape).astype(np.float32)
+  nb, kb = -(-n // 128), -(-k // 128)
+  e = np.exp2(rng.integers(-span, span, size=(*batch, nb, 1, kb, 1))).astype(np.float32)
+  w *= np.broadcast_to(e, (*batch, nb, 128, kb, 128)).reshape(*batch, nb * 128, kb * 128)[..., :n, :k]
+  w[..., :3, :5] = 0.0
+  return jnp.asarray(w, dtype)
+
+
+def _assert_same_weight(w):
+  q_ffi, sf_ffi = jax.jit(lambda w: quant.quantize_fp8_weight(w, impl="ffi"))(w)
+  q_ref, sf_ref = jax.jit(lambda w: quant.quantize_fp8_weight(w, impl="reference"))(w)
+  assert q_ffi.dtype == jnp.float8_e4m3fn and q_ffi.shape == q_ref.shape and sf_ffi.shape == sf_ref.shape
+  np.testing.assert_array_equal(_bits(q_ffi), _bits(q_ref))
+  np.testing.assert_array_equal(_bits(sf_ffi), _bits(sf_ref))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("shape", [(128, 128), (3, 256, 384), (2, 200, 136), (1, 5, 16), (2, 2, 129, 264)])
+def test_weight_ffi_equals_twin(dtype, shape):
+  """Edge blocks (N or K not a multiple of 128) take the values that exist, as the twin's zero padding does."""
+  _assert_same_weight(_weights(np.random.default_rng(sum(shape)), shape, dtype))
+
+
+def test_weight_ffi_non_finite_and_top_scale_blocks():
+  w = np.random.default_rng(4).standard_normal((2, 256, 256)).astype(np.float32)
+  w[0, 5, 200] = np.nan  # block (0, 0, 1)
+  w[1, 130, 3] = -np.inf  # block (1, 1, 0)
+  w[1, :128, 128:] *= 3.3e38 / np.abs(w[1, :128, 128:]).max()  # block (1, 0, 1): the top scale, 2^120
+  _assert_same_weight(jnp.asarray(w))
+  q, sf = quant.quantize_fp8_weight(jnp.asarray(w), impl="ffi")
+  sf = np.asarray(sf)
+  assert np.isnan(sf[0, 0, 1]) and np.isnan(sf[1, 1, 0]) and np.isfinite(sf[0, 0, 0])
+  assert sf[1, 0, 1] == np.float32(2.0 ** 120)
+  back = np.asarray(quant.dequantize_fp8_weight(q, jnp.asarray(sf)))
+  assert np.isfinite(back[1, :128, 128:]).all()
+
+
+def test_weight_cpp_handler_checks_shapes_when_reached():
+  w = jnp.zeros((2, 256, 384), jnp.bfloat16)
+  bad = (jax.ShapeDtypeStruct((2, 256, 384), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2, 2, 2), jnp.float32))
+  with pytest.raises(Exception, match=r"w_sf must be \[\.\.\., ceil\(N/128\), ceil\(K/128\)\] = \[\.\.\., 2, 3\], "
+                                      r"got \[2, 2, 2\]"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_weight", bad, w))
+
+
+@pytest.mark.gpu
+def test_gpu_weight_deepseek_shapes_bit_exact():
+  """On a GPU: gate/up and down weights of eight DeepSeek-V3 experts, kernel against the XLA twin."""
+  assert jax.default_backend() == "gpu"
+  rng = np.random.default_rng(5)
+  for shape in ((8, 4096, 7168), (8, 7168, 2048)):
+    _assert_same_weight(_weights(rng, shape, jnp.bfloat16))

@@ -17,6 +17,7 @@ namespace py = pybind11;
 
 // Handlers defined in the other translation units.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu);
@@ -25,6 +26,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCpu);
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda);
@@ -88,6 +90,7 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         py::dict platforms;
         py::dict cpu;
         cpu["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCpu);
+        cpu["jax_moe_a2a_quantize_fp8_weight"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightCpu);
         cpu["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCpu);
         cpu["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCpu);
         cpu["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cpu);
@@ -98,6 +101,7 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
 #ifdef JAX_MOE_A2A_WITH_CUDA
         py::dict cuda;
         cuda["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCuda);
+        cuda["jax_moe_a2a_quantize_fp8_weight"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightCuda);
         cuda["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCuda);
         cuda["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCuda);
         cuda["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cuda);

@@ -10,6 +10,9 @@
 //     block-major scale layout [k/128, m] then gets strided 4-byte stores (1/64 of the traffic), which L2 merges
 //     with the neighbouring rows' stores of the next blocks.
 //   - Each thread keeps kUnroll independent 16-byte loads in flight before it computes.
+//   - 128x128 weight blocks: one thread block per tile; each thread loads its 16-byte pieces of the tile's rows,
+//     the tile's amax is reduced over the warp and then the block (shared memory), and each thread encodes and
+//     stores its own pieces: one read of the weights, one write of the codes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -81,6 +84,30 @@ __device__ __forceinline__ void StoreBytes<4>(uint8_t* dst, const uint8_t* bytes
   *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(bytes);
 }
 
+// The rule of quant.h for one group (or block) of amax `amax` and finiteness `finite`, applied to kVec of its
+// values: writes their E4M3 codes to `bytes` and returns the group's scale.
+template <int kVec>
+__device__ __forceinline__ float EncodePiece(const float* v, float amax, int finite, uint8_t* bytes) {
+  if (!finite) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) bytes[i] = kE4m3NaN;
+    return __uint_as_float(kF32QuietNaN);
+  }
+  const uint32_t biased = ScaleExponent(__float_as_uint(fmaxf(amax, kAmaxFloor)));
+  const float inv_scale = __uint_as_float((254u - biased) << 23);
+  const float limit = E4m3Limit(biased);
+#pragma unroll
+  for (int i = 0; i < kVec; i += 2) {
+    float2 q;
+    q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -limit), limit);
+    q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -limit), limit);
+    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+    bytes[i] = static_cast<uint8_t>(pair & 0xFF);
+    bytes[i + 1] = static_cast<uint8_t>(pair >> 8);
+  }
+  return __uint_as_float(biased << 23);
+}
+
 // Index is uint32_t when every element offset fits (cheaper division), else int64_t.
 template <typename T, bool kBlockMajorK, typename Index>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* __restrict__ x,
@@ -122,26 +149,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
     }
     if (f >= num_groups) continue;
     uint8_t bytes[kVec];
-    float scale;
-    if (finite) {
-      const uint32_t biased = ScaleExponent(__float_as_uint(fmaxf(amax, kAmaxFloor)));
-      scale = __uint_as_float(biased << 23);
-      const float inv_scale = __uint_as_float((254u - biased) << 23);
-      const float limit = E4m3Limit(biased);
-#pragma unroll
-      for (int i = 0; i < kVec; i += 2) {
-        float2 q;
-        q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -limit), limit);
-        q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -limit), limit);
-        const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
-        bytes[i] = static_cast<uint8_t>(pair & 0xFF);
-        bytes[i + 1] = static_cast<uint8_t>(pair >> 8);
-      }
-    } else {
-      scale = __uint_as_float(kF32QuietNaN);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) bytes[i] = kE4m3NaN;
-    }
+    const float scale = EncodePiece<kVec>(v, amax, finite, bytes);
     StoreBytes<kVec>(x_q + offset[u], bytes);
     if (lane == 0) x_sf[kBlockMajorK ? (f % groups_per_row) * m + f / groups_per_row : f] = scale;
   }
@@ -174,6 +182,88 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// 128x128 weight blocks
+// ---------------------------------------------------------------------------------------------------------------
+
+// One block of kThreads threads per 128x128 tile of w [batch, n, k] (k % (16 / sizeof(T)) == 0): every thread
+// loads its kPasses 16-byte pieces (rows threadIdx.x / kLanes + pass * kRowsPerPass, columns from lane * kVec),
+// the tile's amax and finiteness are reduced over the warp and then over the block through shared memory, and
+// each thread converts and stores its own pieces. Pieces past n or k are neither loaded nor stored.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __restrict__ w,
+                                                                    uint8_t* __restrict__ w_q,
+                                                                    float* __restrict__ w_sf, int64_t n,
+                                                                    int64_t k) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kLanes = kGroup / kVec;            // threads per tile row: 16 (2-byte input) or 32 (float32)
+  constexpr int kRowsPerPass = kThreads / kLanes;  // 16 or 8
+  constexpr int kPasses = kGroup / kRowsPerPass;   // 8 or 16
+  constexpr int kWarps = kThreads / 32;
+  const int64_t kb = blockIdx.x, nb = blockIdx.y, batch = blockIdx.z;
+  const int64_t col = kb * kGroup + (threadIdx.x % kLanes) * kVec;
+  const int64_t row0 = nb * kGroup + threadIdx.x / kLanes;
+  const T* src = w + batch * n * k;
+  uint8_t* dst = w_q + batch * n * k;
+
+  uint4 raw[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t row = row0 + p * kRowsPerPass;
+    raw[p] = (row < n && col < k) ? LoadStreaming(src + row * k + col) : make_uint4(0, 0, 0, 0);
+  }
+  float amax = 0.0f;
+  int finite = 1;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    float v[kVec];
+    Unpack<T>(raw[p], v);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      finite &= isfinite(v[i]) ? 1 : 0;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
+  }
+  __shared__ float warp_amax[kWarps];
+  __shared__ int warp_finite[kWarps];
+  if (threadIdx.x % 32 == 0) {
+    warp_amax[threadIdx.x / 32] = amax;
+    warp_finite[threadIdx.x / 32] = finite;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) {
+    amax = fmaxf(amax, warp_amax[i]);
+    finite &= warp_finite[i];
+  }
+
+  float scale = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t row = row0 + p * kRowsPerPass;
+    float v[kVec];
+    Unpack<T>(raw[p], v);
+    uint8_t bytes[kVec];
+    scale = EncodePiece<kVec>(v, amax, finite, bytes);
+    if (row < n && col < k) StoreBytes<kVec>(dst + row * k + col, bytes);
+  }
+  if (threadIdx.x == 0) w_sf[(batch * gridDim.y + nb) * gridDim.x + kb] = scale;
+}
+
+template <typename T>
+cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float* w_sf, int64_t batch, int64_t n,
+                         int64_t k) {
+  const dim3 grid(static_cast<unsigned>((k + kGroup - 1) / kGroup), static_cast<unsigned>((n + kGroup - 1) / kGroup),
+                  static_cast<unsigned>(batch));
+  QuantizeFp8WeightKernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(w), w_q, w_sf, n, k);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, const void* x, uint8_t* x_q,
@@ -185,6 +275,23 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
       return Launch<__half>(stream, x, x_q, x_sf, m, k, block_major_k);
     case InputType::kF32:
       return Launch<float>(stream, x, x_q, x_sf, m, k, block_major_k);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
+                                    int64_t batch, int64_t n, int64_t k) {
+  if (batch == 0 || n == 0 || k == 0) return cudaSuccess;
+  if ((k + kGroup - 1) / kGroup > 0x7FFFFFFF || (n + kGroup - 1) / kGroup > 65535 || batch > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  switch (type) {
+    case InputType::kBF16:
+      return LaunchWeight<__nv_bfloat16>(stream, w, w_q, w_sf, batch, n, k);
+    case InputType::kF16:
+      return LaunchWeight<__half>(stream, w, w_q, w_sf, batch, n, k);
+    case InputType::kF32:
+      return LaunchWeight<float>(stream, w, w_q, w_sf, batch, n, k);
   }
   return cudaErrorInvalidValue;
 }

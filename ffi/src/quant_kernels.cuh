@@ -14,4 +14,10 @@ enum class InputType { kBF16, kF16, kF32 };
 cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, const void* x, uint8_t* x_q,
                                        float* x_sf, int64_t m, int64_t k, bool block_major_k);
 
+// w [batch, n, k] (k % (16 / element size) == 0) -> w_q [batch, n, k] E4M3 bytes and w_sf float32
+// [batch, ceil(n/128), ceil(k/128)], one scale per 128x128 block (edge blocks: the values that exist). Needs
+// ceil(n/128) <= 65535 and batch <= 65535.
+cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
+                                    int64_t batch, int64_t n, int64_t k);
+
 }  // namespace jax_moe_a2a
