@@ -46,10 +46,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_moe_a2a import _ffi, layout
-
-# The "no expert" sentinel; equal to `jax_moe_a2a.routing.INVALID_EXPERT`. Defined here so that this module
-# imports nothing of ours beyond what the arrows of STYLE.md allow.
-INVALID_EXPERT = -1
+from jax_moe_a2a.layout import INVALID_EXPERT
 
 # ----------------------------------------------------------------------------------------------------------------
 # Results and handle
@@ -162,7 +159,7 @@ def _route(topk_ids: jax.Array, num_experts: int, num_ranks: int) -> tuple[jax.A
   """
   local = num_experts // num_ranks
   valid = (topk_ids >= 0) & (topk_ids < num_experts)
-  topk_rank = jnp.where(valid, topk_ids // local, -1).astype(jnp.int32)
+  topk_rank = jnp.where(valid, topk_ids // local, INVALID_EXPERT).astype(jnp.int32)
   dest = jnp.any(topk_rank[:, None, :] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :, None], axis=-1)
   dest_i = dest.astype(jnp.int32)
   before = jnp.cumsum(dest_i, axis=0, dtype=jnp.int32) - dest_i
@@ -1009,7 +1006,7 @@ def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, 
                        **st.workspace.attrs("dispatch", x_row_bytes=_row_bytes(x), x_sf_row_bytes=_row_bytes(sf)))
   recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, (x, topk_ids), st.axis_name)
   valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
-  topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), -1).astype(jnp.int32)
+  topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), INVALID_EXPERT).astype(jnp.int32)
   result = DispatchResult(recv_x=recv_x, recv_x_sf=None if x_sf is None else recv_sf, recv_topk_ids=recv_ids,
                           recv_topk_weights=recv_w, recv_counts=recv_counts)
   handle = DispatchHandle(send_slot=send_slot, recv_counts=recv_counts, axis_name=st.axis_name, num_ranks=num_ranks,

@@ -542,7 +542,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
   by row and then k within an expert), run through the grouped MLP, weighted, and summed back per row over k in
-  ascending order, in float32. Padding rows (every id INVALID = -1) give zero.
+  ascending order, in float32. Padding rows (every id `layout.INVALID_EXPERT`) give zero.
 
   Args:
     recv_x: [num_ranks, capacity, hidden] bfloat16/float32, or float8_e4m3fn with `recv_x_sf`.

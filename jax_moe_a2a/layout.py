@@ -23,6 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+INVALID_EXPERT = -1
+"""The expert id meaning "no expert" (a padding slot or a dropped choice); it travels in the top-k id payload.
+Every module takes it from here."""
+
 # ----------------------------------------------------------------------------------------------------------------
 # Wire formats
 # ----------------------------------------------------------------------------------------------------------------

@@ -26,8 +26,7 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-INVALID_EXPERT = -1
-"""Sentinel expert id meaning "no expert" (padding slot or dropped choice)."""
+from jax_moe_a2a.layout import INVALID_EXPERT  # noqa: F401  (re-exported: routing's results use it)
 
 SOFTMAX = "softmax"
 DEEPSEEK_V3 = "deepseek_v3"
