@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "device_io.cuh"
 #include "quant.h"
 #include "quant_kernels.cuh"
 
@@ -61,14 +62,6 @@ __device__ __forceinline__ void Unpack<float>(const uint4& raw, float* v) {
   v[1] = __uint_as_float(raw.y);
   v[2] = __uint_as_float(raw.z);
   v[3] = __uint_as_float(raw.w);
-}
-
-__device__ __forceinline__ uint4 LoadStreaming(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
 }
 
 template <int kVec>

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "device_io.cuh"
 #include "rows_kernels.cuh"
 
 namespace jax_moe_a2a {
@@ -23,21 +24,13 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 8;  // values per lane per step
 
-__device__ __forceinline__ uint4 LoadNc(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 template <typename T>
 struct Chunk;
 
 template <>
 struct Chunk<__nv_bfloat16> {
   __device__ static void Load(const __nv_bfloat16* p, float* v) {
-    const uint4 raw = LoadNc(p);
+    const uint4 raw = LoadStreaming(p);
     const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -58,7 +51,7 @@ struct Chunk<__nv_bfloat16> {
 template <>
 struct Chunk<float> {
   __device__ static void Load(const float* p, float* v) {
-    const uint4 a = LoadNc(p), b = LoadNc(p + 4);
+    const uint4 a = LoadStreaming(p), b = LoadStreaming(p + 4);
     v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z);
     v[3] = __uint_as_float(a.w), v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y);
     v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
@@ -85,11 +78,11 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(const uint4* __rest
     const uint4* from = x + src * vecs_per_row;
     int64_t v = lane;
     for (; v + 96 < vecs_per_row; v += 128) {  // four loads in flight per lane
-      const uint4 a = LoadNc(from + v), b = LoadNc(from + v + 32), c = LoadNc(from + v + 64),
-                  d = LoadNc(from + v + 96);
+      const uint4 a = LoadStreaming(from + v), b = LoadStreaming(from + v + 32), c = LoadStreaming(from + v + 64),
+                  d = LoadStreaming(from + v + 96);
       dst[v] = a, dst[v + 32] = b, dst[v + 64] = c, dst[v + 96] = d;
     }
-    for (; v < vecs_per_row; v += 32) dst[v] = LoadNc(from + v);
+    for (; v < vecs_per_row; v += 32) dst[v] = LoadStreaming(from + v);
   }
 }
 
