@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any, Mapping, Optional, Union
 
 import jax
@@ -359,13 +358,6 @@ def _check_params(op: str, params: Any, config: MoEConfig) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _call(fn, *args, impl: str, **kwargs):
-  """Calls an op, passing `impl` when the op takes one (ops without it have only their pure-JAX path)."""
-  if impl != "auto" and "impl" in inspect.signature(fn).parameters:
-    kwargs["impl"] = impl
-  return fn(*args, **kwargs)
-
-
 @dataclasses.dataclass(frozen=True)
 class _WireStatic:
   wire_format: str
@@ -380,7 +372,7 @@ class _WireStatic:
 def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
   with jax.named_scope("wire_encode"):
     if st.wire_format == layout.FP8_BLOCKWISE:
-      x_q, x_sf = _call(quant.quantize_fp8_blockwise, x, impl=st.impl)
+      x_q, x_sf = quant.quantize_fp8_blockwise(x, impl=st.impl)
     else:
       x_q, x_sf = x.astype(jnp.bfloat16), None
   res, handle = a2a.dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
@@ -388,8 +380,8 @@ def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
   with jax.named_scope("wire_decode"):
     num_ranks, capacity, hidden = res.recv_x.shape
     if x_sf is not None:
-      rows = _call(quant.dequantize_fp8_blockwise, res.recv_x.reshape(num_ranks * capacity, hidden),
-                   res.recv_x_sf.reshape(num_ranks * capacity, -1), impl=st.impl, dtype=st.dtype)
+      rows = quant.dequantize_fp8_blockwise(res.recv_x.reshape(num_ranks * capacity, hidden),  # one XLA fusion
+                                            res.recv_x_sf.reshape(num_ranks * capacity, -1), dtype=st.dtype)
       rows = rows.reshape(num_ranks, capacity, hidden)
     else:
       rows = res.recv_x.astype(st.dtype)
