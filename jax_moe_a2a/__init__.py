@@ -27,8 +27,8 @@ _PUBLIC = {
     # the layer
     "MoEConfig": "moe", "init_params": "moe", "param_specs": "moe", "param_shapes": "moe", "moe_apply": "moe",
     "make_workspace": "moe", "moe_dense_reference": "moe",
-    # Flax
-    "MoE": "flax_moe", "LinenMoE": "flax_moe",
+    # Flax, and Hugging Face checkpoints
+    "MoE": "flax_moe", "LinenMoE": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
     # the exchange
     "Workspace": "a2a", "dispatch": "a2a", "combine": "a2a",
     # routing

@@ -89,6 +89,8 @@ class MoEConfig:
       slices are all-gathered at the end; needs tp_axis.
     num_shared_experts: shared experts every token goes through (weight 1), 0 for none.
     shared_ffn: intermediate width of one shared expert (default: ffn).
+    shared_expert_gate: scale the shared experts' sum per token by ``sigmoid(x . shared_gate)`` (Qwen2-MoE's
+      ``shared_expert_gate``; a ``shared_gate`` [hidden] parameter); needs num_shared_experts > 0.
     fp8_weights: routed expert weights stored as E4M3 with one FP32 scale per 128x128 block.
     dtype: compute dtype: matmul operands, the decoded wire and the combine payload (bfloat16, float16 or
       float32; matmuls accumulate in float32; router logits are always float32).
@@ -115,6 +117,7 @@ class MoEConfig:
   sequence_parallel: bool = False
   num_shared_experts: int = 0
   shared_ffn: Optional[int] = None
+  shared_expert_gate: bool = False
   fp8_weights: bool = False
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
@@ -131,7 +134,7 @@ class MoEConfig:
         object.__setattr__(self, name, int(getattr(self, name)))
     if isinstance(self.routed_scaling_factor, np.floating):
       object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
-    for name in ("renormalize", "sequence_parallel", "fp8_weights"):
+    for name in ("renormalize", "sequence_parallel", "fp8_weights", "shared_expert_gate"):
       if isinstance(getattr(self, name), np.bool_):
         object.__setattr__(self, name, bool(getattr(self, name)))
     for name in ("num_experts", "top_k", "hidden", "ffn", "n_group", "topk_group"):
@@ -163,6 +166,10 @@ class MoEConfig:
       raise ValueError(f"{op}: num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
     if self.shared_ffn is not None and (not _is_int(self.shared_ffn) or self.shared_ffn <= 0):
       raise ValueError(f"{op}: shared_ffn must be None or a positive int, got {self.shared_ffn!r}")
+    if not isinstance(self.shared_expert_gate, bool):
+      raise ValueError(f"{op}: shared_expert_gate must be a bool, got {self.shared_expert_gate!r}")
+    if self.shared_expert_gate and not self.num_shared_experts:
+      raise ValueError(f"{op}: shared_expert_gate=True needs num_shared_experts > 0, got {self.num_shared_experts}")
     if not isinstance(self.fp8_weights, bool):
       raise ValueError(f"{op}: fp8_weights must be a bool, got {self.fp8_weights!r}")
     for name in ("dtype", "param_dtype"):
@@ -251,6 +258,8 @@ def param_specs(config: MoEConfig) -> dict[str, P]:
   if config.num_shared_experts:
     specs["shared_w_gate_up"] = P(None, None, None)
     specs["shared_w_down"] = P(None, None, None)
+  if config.shared_expert_gate:
+    specs["shared_gate"] = P(None)
   return specs
 
 
@@ -264,7 +273,8 @@ def param_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
     and ``w_down_sf`` [num_experts, ceil(hidden / 128), ceil(ffn / 128)] float32 (one scale per 128x128 block)
     when fp8_weights;
   - ``shared_w_gate_up``: [num_shared_experts, 2 * shared_ffn, hidden], ``shared_w_down``:
-    [num_shared_experts, hidden, shared_ffn], param_dtype (when num_shared_experts > 0).
+    [num_shared_experts, hidden, shared_ffn], param_dtype (when num_shared_experts > 0);
+  - ``shared_gate``: [hidden] param_dtype (when shared_expert_gate).
   """
   e, h, f, pd = config.num_experts, config.hidden, config.ffn, config.param_dtype
   blocks = lambda n: -(-n // quant.FP8_BLOCK)
@@ -282,6 +292,8 @@ def param_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
     s, fs = config.num_shared_experts, config.shared_width
     shapes["shared_w_gate_up"] = sds((s, 2 * fs, h), pd)
     shapes["shared_w_down"] = sds((s, h, fs), pd)
+  if config.shared_expert_gate:
+    shapes["shared_gate"] = sds((h,), pd)
   return shapes
 
 
@@ -303,6 +315,8 @@ def _init_values(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
     s, fs = config.num_shared_experts, config.shared_width
     out["shared_w_gate_up"] = normal(k_sgu, (s, 2 * fs, h), h).astype(pd)
     out["shared_w_down"] = normal(k_sdn, (s, h, fs), fs).astype(pd)
+  if config.shared_expert_gate:
+    out["shared_gate"] = normal(jax.random.fold_in(k_sgu, 1), (h,), h).astype(pd)
   return out
 
 
@@ -483,13 +497,19 @@ def _route(params, x, config: MoEConfig, axis_name):
 
 
 def _shared_experts(params, x, config: MoEConfig, dtype) -> jax.Array:
-  """Sum over the shared experts of down(silu(gate(x)) * up(x)); [num_tokens, hidden] float32."""
+  """Sum over the shared experts of down(silu(gate(x)) * up(x)), times sigmoid(x . shared_gate) per token with
+  shared_expert_gate; [num_tokens, hidden] float32."""
   fs = config.shared_width
   w_gate_up = params["shared_w_gate_up"].astype(dtype)
   w_down = params["shared_w_down"].astype(dtype)
   h = jnp.einsum("th,sfh->tsf", x.astype(dtype), w_gate_up, preferred_element_type=jnp.float32)
   act = (jax.nn.silu(h[..., :fs]) * h[..., fs:]).astype(dtype)
-  return jnp.einsum("tsf,shf->th", act, w_down, preferred_element_type=jnp.float32)
+  y = jnp.einsum("tsf,shf->th", act, w_down, preferred_element_type=jnp.float32)
+  if config.shared_expert_gate:
+    gate = jnp.dot(x.astype(jnp.float32), params["shared_gate"].astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    y = y * jax.nn.sigmoid(gate)[:, None]
+  return y
 
 
 def _expert_weights(params) -> experts.ExpertWeights:
