@@ -4,8 +4,9 @@
 in any of those is on both sides of `test_moe.py`'s comparisons. `oracle.py` is a float64 NumPy restatement of
 the layer from its definitions (softmax top-k; DeepSeek-V3 sigmoid, correction bias, group-limited top-k,
 renormalization, routed scaling factor; SwiGLU with gate rows first; shared experts, optionally under
-Qwen2-MoE's sigmoid gate; Switch/GShard load-balance loss on DeepSeek-V3's normalized affinities) that shares no code with jax_moe_a2a. Every returned value of the
-layer is compared with it: the output, ``load_balance_loss`` and ``expert_load``.
+Qwen2-MoE's sigmoid gate; Switch/GShard load-balance loss on DeepSeek-V3's normalized affinities) that shares no
+code with jax_moe_a2a. Every returned value of the layer is compared with it: the output, ``load_balance_loss``
+and ``expert_load``.
 
 Shapes: 16 experts, top-4, hidden 64, ffn 32, 32 tokens on a 2x4 (data, expert) mesh (the bf16 case on 1x8);
 every case runs `routing.route` and `moe_dense_reference`, all but DENSE_ONLY also `moe_apply` (each costs a
