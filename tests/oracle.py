@@ -289,8 +289,9 @@ def load_balance_loss(probs, ids, num_experts: int) -> float:
 def moe_layer(params: Mapping[str, np.ndarray], x, config: OracleConfig) -> dict:
   """The whole MoE layer on all tokens at once, float64.
 
-  ``logits = x @ router``; weights and ids from `route`; ``y = combine(x, weights, ids) + g(x) * shared_experts(x)``
-  with ``g(x) = sigmoid(x . shared_gate)`` under shared_expert_gate, else 1; the statistics `load_balance_loss` and `expert_load` over all tokens.
+  ``logits = x @ router``; weights and ids from `route`;
+  ``y = combine(x, weights, ids) + g(x) * shared_experts(x)`` with ``g(x) = sigmoid(x . shared_gate)`` under
+  shared_expert_gate, else 1; the statistics `load_balance_loss` and `expert_load` over all tokens.
 
   Args:
     params: the parameters in the layout of the module docstring (any array type NumPy can read; FP8 weights
