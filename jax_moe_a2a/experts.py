@@ -609,7 +609,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
                           method=method, gemm_impl=gemm_impl, impl=impl)
   with jax.named_scope("unpermute"):
     out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm, jnp.dtype(out_dtype), impl)
-  return out.reshape(num_ranks, capacity, hidden).astype(out_dtype)
+  return out.reshape(num_ranks, capacity, hidden)  # already out_dtype (un-permute writes it)
 
 
 def _run_mlp(x_sorted, sf_sorted, group_sizes, weights, *, compute_dtype, method, gemm_impl, impl):

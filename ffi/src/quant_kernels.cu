@@ -257,19 +257,27 @@ cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float
   return cudaGetLastError();
 }
 
+// Calls fn with a value of the element type `type` names (its type picks the kernel instantiation).
+template <typename Fn>
+cudaError_t WithInputType(InputType type, Fn fn) {
+  switch (type) {
+    case InputType::kBF16:
+      return fn(__nv_bfloat16{});
+    case InputType::kF16:
+      return fn(__half{});
+    case InputType::kF32:
+      return fn(float{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, const void* x, uint8_t* x_q,
                                        float* x_sf, int64_t m, int64_t k, bool block_major_k) {
-  switch (type) {
-    case InputType::kBF16:
-      return Launch<__nv_bfloat16>(stream, x, x_q, x_sf, m, k, block_major_k);
-    case InputType::kF16:
-      return Launch<__half>(stream, x, x_q, x_sf, m, k, block_major_k);
-    case InputType::kF32:
-      return Launch<float>(stream, x, x_q, x_sf, m, k, block_major_k);
-  }
-  return cudaErrorInvalidValue;
+  return WithInputType(type, [&](auto tag) {
+    return Launch<decltype(tag)>(stream, x, x_q, x_sf, m, k, block_major_k);
+  });
 }
 
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
@@ -278,15 +286,9 @@ cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const v
   if ((k + kGroup - 1) / kGroup > 0x7FFFFFFF || (n + kGroup - 1) / kGroup > 65535 || batch > 65535) {
     return cudaErrorInvalidValue;
   }
-  switch (type) {
-    case InputType::kBF16:
-      return LaunchWeight<__nv_bfloat16>(stream, w, w_q, w_sf, batch, n, k);
-    case InputType::kF16:
-      return LaunchWeight<__half>(stream, w, w_q, w_sf, batch, n, k);
-    case InputType::kF32:
-      return LaunchWeight<float>(stream, w, w_q, w_sf, batch, n, k);
-  }
-  return cudaErrorInvalidValue;
+  return WithInputType(type, [&](auto tag) {
+    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, batch, n, k);
+  });
 }
 
 }  // namespace jax_moe_a2a

@@ -152,6 +152,17 @@ unsigned Blocks(int64_t rows) {
   return static_cast<unsigned>(want < 65536 * 4 ? (want > 0 ? want : 1) : 65536 * 4);
 }
 
+// Calls fn with values of the float row types `in` and `out` name (bfloat16 or float32 each).
+template <typename Fn>
+cudaError_t WithRowTypes(RowType in, RowType out, Fn fn) {
+  using bf16 = __nv_bfloat16;
+  if (in == RowType::kBF16 && out == RowType::kBF16) return fn(bf16{}, bf16{});
+  if (in == RowType::kBF16 && out == RowType::kF32) return fn(bf16{}, float{});
+  if (in == RowType::kF32 && out == RowType::kBF16) return fn(float{}, bf16{});
+  if (in == RowType::kF32 && out == RowType::kF32) return fn(float{}, float{});
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* idx, void* out, int64_t num_x_rows,
@@ -166,53 +177,27 @@ cudaError_t LaunchGatherRowsScaled(cudaStream_t stream, RowType in, RowType out_
                                    const int32_t* idx, const float* scale, void* out, int64_t num_x_rows,
                                    int64_t num_out_rows, int64_t hidden) {
   if (num_out_rows == 0) return cudaSuccess;
-  const unsigned blocks = Blocks(num_out_rows);
-  using bf16 = __nv_bfloat16;
-  if (in == RowType::kBF16 && out_type == RowType::kBF16) {
-    GatherRowsScaledKernel<bf16, bf16><<<blocks, kThreads, 0, stream>>>(
-        static_cast<const bf16*>(x), idx, scale, static_cast<bf16*>(out), num_x_rows, num_out_rows, hidden);
-  } else if (in == RowType::kBF16 && out_type == RowType::kF32) {
-    GatherRowsScaledKernel<bf16, float><<<blocks, kThreads, 0, stream>>>(
-        static_cast<const bf16*>(x), idx, scale, static_cast<float*>(out), num_x_rows, num_out_rows, hidden);
-  } else if (in == RowType::kF32 && out_type == RowType::kBF16) {
-    GatherRowsScaledKernel<float, bf16><<<blocks, kThreads, 0, stream>>>(
-        static_cast<const float*>(x), idx, scale, static_cast<bf16*>(out), num_x_rows, num_out_rows, hidden);
-  } else if (in == RowType::kF32 && out_type == RowType::kF32) {
-    GatherRowsScaledKernel<float, float><<<blocks, kThreads, 0, stream>>>(
-        static_cast<const float*>(x), idx, scale, static_cast<float*>(out), num_x_rows, num_out_rows, hidden);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return WithRowTypes(in, out_type, [&](auto in_tag, auto out_tag) {
+    using TIn = decltype(in_tag);
+    using TOut = decltype(out_tag);
+    GatherRowsScaledKernel<TIn, TOut><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
+        static_cast<const TIn*>(x), idx, scale, static_cast<TOut*>(out), num_x_rows, num_out_rows, hidden);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchSumRows(cudaStream_t stream, RowType in, RowType out_type, const void* y, const int32_t* pos,
                           const float* weights, void* out, int64_t num_y_rows, int64_t num_out_rows, int64_t k,
                           int64_t hidden) {
   if (num_out_rows == 0) return cudaSuccess;
-  const unsigned blocks = Blocks(num_out_rows);
-  const int kk = static_cast<int>(k);
-  using bf16 = __nv_bfloat16;
-  if (in == RowType::kBF16 && out_type == RowType::kBF16) {
-    SumRowsKernel<bf16, bf16><<<blocks, kThreads, 0, stream>>>(static_cast<const bf16*>(y), pos, weights,
-                                                               static_cast<bf16*>(out), num_y_rows, num_out_rows,
-                                                               kk, hidden);
-  } else if (in == RowType::kBF16 && out_type == RowType::kF32) {
-    SumRowsKernel<bf16, float><<<blocks, kThreads, 0, stream>>>(static_cast<const bf16*>(y), pos, weights,
-                                                                static_cast<float*>(out), num_y_rows, num_out_rows,
-                                                                kk, hidden);
-  } else if (in == RowType::kF32 && out_type == RowType::kBF16) {
-    SumRowsKernel<float, bf16><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(y), pos, weights,
-                                                                static_cast<bf16*>(out), num_y_rows, num_out_rows,
-                                                                kk, hidden);
-  } else if (in == RowType::kF32 && out_type == RowType::kF32) {
-    SumRowsKernel<float, float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(y), pos, weights,
-                                                                 static_cast<float*>(out), num_y_rows, num_out_rows,
-                                                                 kk, hidden);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return WithRowTypes(in, out_type, [&](auto in_tag, auto out_tag) {
+    using TIn = decltype(in_tag);
+    using TOut = decltype(out_tag);
+    SumRowsKernel<TIn, TOut><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
+        static_cast<const TIn*>(y), pos, weights, static_cast<TOut*>(out), num_y_rows, num_out_rows,
+        static_cast<int>(k), hidden);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace jax_moe_a2a
