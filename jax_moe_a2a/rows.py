@@ -3,7 +3,7 @@
 The expert stage permutes the received rows into expert order (`gather_rows`) and brings the expert outputs back,
 weighted and summed over each token's k assignments (`sum_rows`); their backward passes are the same two
 operations the other way round. Each is the custom call ``jax_moe_a2a_gather_rows`` / ``jax_moe_a2a_sum_rows``
-(a loop on CPU; on GPUs one warp per output row with 16-byte loads) or its pure-JAX twin, with the same bits.
+(a loop on CPU; on GPUs one warp per output row, or per 256-value segment of one, with wide loads) or its pure-JAX twin, with the same bits.
 
 Indices outside the source rows select nothing: `gather_rows` gives a zero row, and `sum_rows` adds +0 without
 reading a source row (a NaN in a row that is not selected reaches no output).
@@ -58,8 +58,8 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, scale: Optional[jax.Array] = No
     scale: None, or [A] float32, one factor per output row.
     out_dtype: with a scale, bfloat16, float16 or float32 (default x's dtype); without one it must be x's dtype or
       None.
-    impl: "auto", "ffi" or "reference". The custom call takes bfloat16 and float32 rows with a scale, and on GPUs
-      rows of a multiple of 16 bytes (without a scale) or H % 8 == 0 (with one); "auto" takes the twin otherwise.
+    impl: "auto", "ffi" or "reference". The custom call takes rows of any dtype and width without a scale, and
+      bfloat16 and float32 rows with one (on GPUs with H % 8 == 0); "auto" takes the twin otherwise.
 
   Returns:
     [A, H] of out_dtype.
@@ -73,8 +73,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, scale: Optional[jax.Array] = No
     if out_dtype != jnp.dtype(x.dtype):
       raise ValueError(f"{op}: out_dtype without a scale must be x's dtype {jnp.dtype(x.dtype).name}, "
                        f"got {out_dtype.name}")
-    dtypes_ok = True
-    gpu_ok, why = (x.shape[1] * jnp.dtype(x.dtype).itemsize) % 16 == 0, "rows of a multiple of 16 bytes"
+    dtypes_ok, gpu_ok, why = True, True, ""
   else:
     _float_row_dtype(op, "x with a scale", x.dtype)
     _float_row_dtype(op, "out_dtype with a scale", out_dtype)

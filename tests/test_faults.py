@@ -341,13 +341,17 @@ def _stress(mesh_shape: tuple[int, int], dtype: str, steps: int) -> None:
   print(f"ok {steps}", flush=True)
 
 
+def _subprocess_env() -> dict:
+  """The environment of a case's subprocess: the package may be a checkout rather than installed (as on the GPU
+  machines), so its root goes on the path."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+
 def _run_stress(mesh_shape, dtype, steps, timeout_s):
   cmd = [sys.executable, __file__, "stress", "x".join(map(str, mesh_shape)), dtype, str(steps)]
   try:
-    # The package may be a checkout rather than installed (as on the GPU machines): its root goes on the path.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_subprocess_env())
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"{steps} steps on a {mesh_shape} mesh did not finish in {timeout_s} s (a deadlock?):\n"
                 f"{(e.stdout or b'')[-3000:]}{(e.stderr or b'')[-3000:]}")
@@ -707,7 +711,7 @@ def _call_with_attrs(case: str) -> str:
 def _attr_case_results() -> tuple[int, str]:
   """Runs every case in one subprocess (a SIGFPE ends it): (return code, its output)."""
   cmd = [sys.executable, __file__, "attrs", *_ATTR_CASES]
-  r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_subprocess_env())
   return r.returncode, r.stdout + r.stderr
 
 

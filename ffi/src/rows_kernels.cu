@@ -1,9 +1,11 @@
 // rows_kernels.cu -- the expert stage's row movement on the GPU: gathers by index and weighted sums of k rows.
 //
 // NOTES:
-//   - One warp per output row; each lane handles chunks of 8 values (16 bytes of bfloat16, 32 of float32), chunk
-//     c of a row at lane c % 32, so a warp's loads of one source row are contiguous. Loads use the read-only path
-//     and do not allocate in L1 (each source byte is read once per output row that names it).
+//   - A plain gather moves words (16 bytes, or the widest that divides a row): one warp per output row, four loads
+//     in flight per lane. The scaled gather and the sum take one warp per (row, 256-value segment), each lane 8
+//     values (16 bytes of bfloat16, 32 of float32), so a warp's loads of one source row are contiguous and a few
+//     rows (decode) still fill the GPU. Loads use the read-only path (16-byte ones do not allocate in L1: each
+//     source byte is read once per output row that names it).
 //   - Products and sums use __fmul_rn / __fadd_rn: no fused multiply-add, so the CPU handler and the pure-JAX twin
 //     (a product, then a sum in ascending k) round the same way.
 //   - An index outside the source rows contributes nothing: a zero row for a gather, a term of +0 for a sum (its
@@ -62,29 +64,46 @@ struct Chunk<float> {
   }
 };
 
-__global__ void __launch_bounds__(kThreads) GatherRowsKernel(const uint4* __restrict__ x,
-                                                             const int32_t* __restrict__ idx,
-                                                             uint4* __restrict__ out, int64_t num_x_rows,
-                                                             int64_t num_out_rows, int64_t vecs_per_row) {
+// A read-only load of one word; 16-byte words go through the path that does not allocate in L1.
+template <typename W>
+__device__ __forceinline__ W LoadWord(const W* p) {
+  return __ldg(p);
+}
+template <>
+__device__ __forceinline__ uint4 LoadWord<uint4>(const uint4* p) {
+  return LoadStreaming(p);
+}
+
+// Rows of words_per_row words W (the widest word that divides the row's bytes, so every row is aligned to it).
+template <typename W>
+__global__ void __launch_bounds__(kThreads) GatherRowsKernel(const W* __restrict__ x, const int32_t* __restrict__ idx,
+                                                             W* __restrict__ out, int64_t num_x_rows,
+                                                             int64_t num_out_rows, int64_t words_per_row) {
   const int lane = threadIdx.x % 32;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_out_rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t src = idx[row];
-    uint4* dst = out + row * vecs_per_row;
+    W* dst = out + row * words_per_row;
     if (src < 0 || src >= num_x_rows) {
-      for (int64_t v = lane; v < vecs_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+      for (int64_t v = lane; v < words_per_row; v += 32) dst[v] = W{};
       continue;
     }
-    const uint4* from = x + src * vecs_per_row;
+    const W* from = x + src * words_per_row;
     int64_t v = lane;
-    for (; v + 96 < vecs_per_row; v += 128) {  // four loads in flight per lane
-      const uint4 a = LoadStreaming(from + v), b = LoadStreaming(from + v + 32), c = LoadStreaming(from + v + 64),
-                  d = LoadStreaming(from + v + 96);
+    for (; v + 96 < words_per_row; v += 128) {  // four loads in flight per lane
+      const W a = LoadWord(from + v), b = LoadWord(from + v + 32), c = LoadWord(from + v + 64),
+              d = LoadWord(from + v + 96);
       dst[v] = a, dst[v + 32] = b, dst[v + 64] = c, dst[v + 96] = d;
     }
-    for (; v < vecs_per_row; v += 32) dst[v] = LoadStreaming(from + v);
+    for (; v < words_per_row; v += 32) dst[v] = LoadWord(from + v);
   }
 }
+
+// The scaled gather and the sum work on (row, segment) items: a segment is one chunk of kChunk values per lane
+// (32 * kChunk values of a row), so short row counts (decode) still spread over every SM.
+constexpr int64_t kSegment = 32 * kChunk;
+
+__host__ __device__ inline int64_t Segments(int64_t hidden) { return (hidden + kSegment - 1) / kSegment; }
 
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kThreads) GatherRowsScaledKernel(const TIn* __restrict__ x,
@@ -93,25 +112,28 @@ __global__ void __launch_bounds__(kThreads) GatherRowsScaledKernel(const TIn* __
                                                                    TOut* __restrict__ out, int64_t num_x_rows,
                                                                    int64_t num_out_rows, int64_t hidden) {
   const int lane = threadIdx.x % 32;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_out_rows;
-       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+  const int64_t segments = Segments(hidden);
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; item < num_out_rows * segments;
+       item += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t row = item / segments, c = (item % segments) * kSegment + lane * kChunk;
+    if (c >= hidden) continue;
     const int64_t src = idx[row];
-    const bool valid = src >= 0 && src < num_x_rows;
-    const float s = scale[row];
-    for (int64_t c = lane * kChunk; c < hidden; c += 32 * kChunk) {
-      float v[kChunk];
-      if (valid) {
-        Chunk<TIn>::Load(x + src * hidden + c, v);
+    float v[kChunk];
+    if (src >= 0 && src < num_x_rows) {
+      const float s = scale[row];
+      Chunk<TIn>::Load(x + src * hidden + c, v);
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) v[i] = __fmul_rn(v[i], s);
-      } else {
+      for (int i = 0; i < kChunk; ++i) v[i] = __fmul_rn(v[i], s);
+    } else {
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;
-      }
-      Chunk<TOut>::Store(out + row * hidden + c, v);
+      for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;
     }
+    Chunk<TOut>::Store(out + row * hidden + c, v);
   }
 }
+
+// Terms are loaded kBatch at a time (independent loads in flight) and added in ascending j.
+constexpr int kBatch = 4;
 
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kThreads) SumRowsKernel(const TIn* __restrict__ y, const int32_t* __restrict__ pos,
@@ -119,36 +141,46 @@ __global__ void __launch_bounds__(kThreads) SumRowsKernel(const TIn* __restrict_
                                                           int64_t num_y_rows, int64_t num_out_rows, int k,
                                                           int64_t hidden) {
   const int lane = threadIdx.x % 32;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_out_rows;
-       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+  const int64_t segments = Segments(hidden);
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; item < num_out_rows * segments;
+       item += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t row = item / segments, c = (item % segments) * kSegment + lane * kChunk;
+    if (c >= hidden) continue;
     const int32_t* row_pos = pos + row * k;
     const float* row_w = weights == nullptr ? nullptr : weights + row * k;
-    for (int64_t c = lane * kChunk; c < hidden; c += 32 * kChunk) {
-      float acc[kChunk];
+    float acc[kChunk];
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) acc[i] = 0.0f;
-      for (int j = 0; j < k; ++j) {
-        const int64_t p = row_pos[j];  // the same address in every lane: one load for the warp
-        float v[kChunk];
+    for (int i = 0; i < kChunk; ++i) acc[i] = 0.0f;
+    for (int j0 = 0; j0 < k; j0 += kBatch) {
+      float v[kBatch][kChunk];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int j = j0 + b;
+        const int64_t p = j < k ? row_pos[j] : -1;  // the same address in every lane: one load for the warp
         if (p >= 0 && p < num_y_rows) {
           const float w = row_w == nullptr ? 1.0f : row_w[j];
-          Chunk<TIn>::Load(y + p * hidden + c, v);
+          Chunk<TIn>::Load(y + p * hidden + c, v[b]);
 #pragma unroll
-          for (int i = 0; i < kChunk; ++i) v[i] = __fmul_rn(v[i], w);
+          for (int i = 0; i < kChunk; ++i) v[b][i] = __fmul_rn(v[b][i], w);
         } else {
 #pragma unroll
-          for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;  // a left-out term adds +0, as in the twin
+          for (int i = 0; i < kChunk; ++i) v[b][i] = 0.0f;  // a left-out term adds +0, as in the twin
         }
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
       }
-      Chunk<TOut>::Store(out + row * hidden + c, acc);
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (j0 + b >= k) break;
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) acc[i] = __fadd_rn(acc[i], v[b][i]);
+      }
     }
+    Chunk<TOut>::Store(out + row * hidden + c, acc);
   }
 }
 
-unsigned Blocks(int64_t rows) {
-  const int64_t want = (rows + kWarps - 1) / kWarps;
+// Blocks for `items` warp-sized work items (a grid-stride loop covers the rest).
+unsigned Blocks(int64_t items) {
+  const int64_t want = (items + kWarps - 1) / kWarps;
   return static_cast<unsigned>(want < 65536 * 4 ? (want > 0 ? want : 1) : 65536 * 4);
 }
 
@@ -168,9 +200,18 @@ cudaError_t WithRowTypes(RowType in, RowType out, Fn fn) {
 cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* idx, void* out, int64_t num_x_rows,
                              int64_t num_out_rows, int64_t row_bytes) {
   if (num_out_rows == 0) return cudaSuccess;
-  GatherRowsKernel<<<Blocks(num_out_rows), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(x), idx, static_cast<uint4*>(out), num_x_rows, num_out_rows, row_bytes / 16);
-  return cudaGetLastError();
+  auto launch = [&](auto word) {
+    using W = decltype(word);
+    GatherRowsKernel<W><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
+        static_cast<const W*>(x), idx, static_cast<W*>(out), num_x_rows, num_out_rows,
+        row_bytes / static_cast<int64_t>(sizeof(W)));
+    return cudaGetLastError();
+  };
+  if (row_bytes % 16 == 0) return launch(uint4{});
+  if (row_bytes % 8 == 0) return launch(uint2{});
+  if (row_bytes % 4 == 0) return launch(uint32_t{});
+  if (row_bytes % 2 == 0) return launch(uint16_t{});
+  return launch(uint8_t{});
 }
 
 cudaError_t LaunchGatherRowsScaled(cudaStream_t stream, RowType in, RowType out_type, const void* x,
@@ -180,7 +221,7 @@ cudaError_t LaunchGatherRowsScaled(cudaStream_t stream, RowType in, RowType out_
   return WithRowTypes(in, out_type, [&](auto in_tag, auto out_tag) {
     using TIn = decltype(in_tag);
     using TOut = decltype(out_tag);
-    GatherRowsScaledKernel<TIn, TOut><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
+    GatherRowsScaledKernel<TIn, TOut><<<Blocks(num_out_rows * Segments(hidden)), kThreads, 0, stream>>>(
         static_cast<const TIn*>(x), idx, scale, static_cast<TOut*>(out), num_x_rows, num_out_rows, hidden);
     return cudaGetLastError();
   });
@@ -193,7 +234,7 @@ cudaError_t LaunchSumRows(cudaStream_t stream, RowType in, RowType out_type, con
   return WithRowTypes(in, out_type, [&](auto in_tag, auto out_tag) {
     using TIn = decltype(in_tag);
     using TOut = decltype(out_tag);
-    SumRowsKernel<TIn, TOut><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
+    SumRowsKernel<TIn, TOut><<<Blocks(num_out_rows * Segments(hidden)), kThreads, 0, stream>>>(
         static_cast<const TIn*>(y), pos, weights, static_cast<TOut*>(out), num_y_rows, num_out_rows,
         static_cast<int>(k), hidden);
     return cudaGetLastError();

@@ -7,9 +7,9 @@
 
 namespace jax_moe_a2a {
 
-enum class RowType { kBF16, kF32, kBytes };
+enum class RowType { kBF16, kF32 };
 
-// out[i, :] = x[idx[i], :] for idx[i] in [0, num_x_rows), else 0 (rows of row_bytes bytes, row_bytes % 16 == 0).
+// out[i, :] = x[idx[i], :] for idx[i] in [0, num_x_rows), else 0 (rows of row_bytes bytes, any number).
 cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* idx, void* out, int64_t num_x_rows,
                              int64_t num_out_rows, int64_t row_bytes);
 
