@@ -1,10 +1,13 @@
 """The whole MoE layer as users call it (`moe.moe_apply`, jitted), forward and forward+backward, beside baselines.
 
-For each tokens-per-device count and variant: the median step time (fresh activations each run), TFLOP/s of the
-routed experts (2 * T * k * H * 3F per forward, 3x that per forward+backward, T tokens per device), the compiled
-temp bytes (`compile().memory_analysis()`), the device's peak memory so far, and, on GPUs, the time per named stage
-(router, wire encode, dispatch, wire decode, permute, experts, unpermute, combine, ...) from a profiler trace:
-each kernel is attributed to the innermost stage scope in its HLO instruction's op_name.
+For each tokens-per-device count and variant: the median step time in steady state (`--chain` calls issued back to
+back, each on the next of `--input-sets` activation sets, as a training or serving loop runs; `common.time_pipelined`)
+and the median time of one call issued and waited for alone (`sync_ms`, which adds the host's dispatch and
+synchronization), TFLOP/s of the routed experts (2 * T * k * H * 3F per forward, 3x that per forward+backward,
+T tokens per device), the compiled temp bytes (`compile().memory_analysis()`), the device's peak memory so far,
+and, on GPUs, the time per named stage (router, wire encode, dispatch, wire decode, permute, experts, unpermute,
+combine, ...) from a profiler trace: each kernel is attributed to the innermost stage scope in its HLO
+instruction's op_name; kernels no stage claims are listed with their HLO shape (`unattributed_top`).
 
 Variants (all with bfloat16 compute and bfloat16 parameters):
   einsum         baseline: an equal-capacity batched einsum of the same FLOPs (T*k/E rows per local expert, no
@@ -43,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_if_possible, positive_int, save_plot, time_per_call, write_result  # noqa: E402
+from common import plot_if_possible, positive_int, save_plot, time_per_call, time_pipelined, write_result  # noqa: E402
 
 from jax_moe_a2a import moe  # noqa: E402
 from jax_moe_a2a.testing import calc_diff  # noqa: E402
@@ -241,7 +244,13 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
     return {}, []
   slowest = max(per_device, key=lambda s: sum(s.values()))
   top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
-  return slowest, [(k, round(v / len(per_device), 4)) for k, v in top]
+  return slowest, [(k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)) for k, v in top]
+
+
+def _hlo_shape(hlo_text: str, name: str) -> str:
+  """The result shape of HLO instruction `name` in a compiled module's text ('' if not found)."""
+  m = re.search(r"^\s*(?:ROOT\s+)?%?" + re.escape(name) + r"\s*=\s*(\S+)", hlo_text, re.M)
+  return m.group(1)[:80] if m else ""
 
 
 def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: float, args) -> dict:
@@ -257,10 +266,12 @@ def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: floa
   probe = time.perf_counter()
   jax.block_until_ready(fn(*input_sets[0]))
   first = time.perf_counter() - probe
-  runs = args.runs if first < 0.5 else max(3, min(args.runs, int(10 / max(first, 1e-3))))
-  t = time_per_call(fn, input_sets, calls_per_run=1, warmup=2, runs=runs)
+  runs = args.runs if first < 0.5 / args.chain else max(3, min(args.runs, int(10 / args.chain / max(first, 1e-3))))
+  t = time_pipelined(fn, input_sets, calls=args.chain, warmup=2, runs=runs)
   row.update(ms=t["median_s"] * 1e3, min_ms=t["min_s"] * 1e3, p90_ms=t["p90_s"] * 1e3, runs=runs,
-             tflops=flops / t["median_s"] / 1e12)
+             chain=args.chain, tflops=flops / t["median_s"] / 1e12)
+  t = time_per_call(fn, input_sets, calls_per_run=1, warmup=1, runs=runs)
+  row.update(sync_ms=t["median_s"] * 1e3, sync_tflops=flops / t["median_s"] / 1e12)
   stats = jax.devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     row["peak_bytes_so_far"] = int(stats["peak_bytes_in_use"])
@@ -269,7 +280,8 @@ def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: floa
     # same program without command buffers (its total is in stages_ms too; the timed step above uses the default).
     traced = jitted.lower(*jit_args).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
     row["stages_ms"], row["unattributed_top"] = _stage_times(traced, jit_args, traced.as_text())
-  print(f"  {name:>16} {mode:>8}: {row['ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  temp "
+  print(f"  {name:>16} {mode:>8}: {row['ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  (one call synced "
+        f"{row['sync_ms']:.3f} ms)  temp "
         f"{row.get('temp_bytes', 0) / 2**30:6.2f} GiB  (compile {row['compile_s']} s, {runs} runs)"
         + ("" if not row.get("stages_ms") else "  " + ", ".join(
             f"{k} {v:.2f}" for k, v in sorted(row["stages_ms"].items(), key=lambda kv: -kv[1]))), flush=True)
@@ -362,7 +374,9 @@ def main(argv=None) -> int:
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
   p.add_argument("--twin-max-tokens", type=positive_int, default=4096, help="largest token count the twin runs at")
   p.add_argument("--runs", type=positive_int, default=20, help="timed runs (median reported; fewer for slow steps)")
-  p.add_argument("--input-sets", type=positive_int, default=3, help="distinct activation sets rotated between runs")
+  p.add_argument("--input-sets", type=positive_int, default=3, help="distinct activation sets rotated between calls")
+  p.add_argument("--chain", type=positive_int, default=10,
+                 help="calls issued back to back per timed run (the step time is the chain's time per call)")
   p.add_argument("--no-stages", action="store_true", help="skip the per-stage profiler trace")
   p.add_argument("--check", action="store_true", help="compare output and gradients with a float32 oracle")
   p.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
@@ -371,7 +385,7 @@ def main(argv=None) -> int:
   if args.plot:
     print("wrote", _plot(args.plot))
     return 0
-  for name in ("local_experts", "hidden", "ffn", "top_k", "runs", "input_sets"):
+  for name in ("local_experts", "hidden", "ffn", "top_k", "runs", "input_sets", "chain"):
     if getattr(args, name) <= 0:
       p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
   if any(t <= 0 for t in args.tokens):

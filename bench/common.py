@@ -39,6 +39,29 @@ def time_per_call(fn: Callable[..., Any], input_sets: Sequence[tuple], *, calls_
           "runs": runs, "calls_per_run": calls_per_run}
 
 
+def time_pipelined(fn: Callable[..., Any], input_sets: Sequence[tuple], *, calls: int = 10, warmup: int = 2,
+                   runs: int = 10) -> dict[str, float]:
+  """Median and spread of the time per call of `fn` in steady state: each run issues `calls` calls back to back
+  (the next input set each, no wait in between, as a training or serving loop does) and blocks on the last one's
+  outputs. The host's dispatch and the wait for one call's completion overlap the device work of the calls before,
+  so this is the device's time per call plus the gaps the host leaves; `time_per_call` with one call per run adds
+  one call's host dispatch and synchronization to each.
+  """
+  for i in range(warmup):
+    jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+  samples = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(calls):
+      out = fn(*input_sets[i % len(input_sets)])
+    jax.block_until_ready(out)  # calls run in order on each device: the last one's end is the chain's end
+    samples.append((time.perf_counter() - t0) / calls)
+  samples.sort()
+  return {"median_s": statistics.median(samples), "min_s": samples[0], "p90_s": samples[int(0.9 * (len(samples) - 1))],
+          "runs": runs, "calls_per_run": calls}
+
+
 def git_commit() -> str:
   """HEAD of the checkout (+dirty), or $JAX_MOE_A2A_COMMIT where the copy has no git metadata."""
   if os.environ.get("JAX_MOE_A2A_COMMIT"):

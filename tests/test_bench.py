@@ -112,14 +112,15 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
   bench_layer = _import_bench("bench_layer")
   variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_stored"]
   assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
-                           "2", "--runs", "2", "--input-sets", "2", "--variants", *variants, "--check",
+                           "2", "--runs", "2", "--input-sets", "2", "--chain", "3", "--variants", *variants, "--check",
                            "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rec = json.loads(path.read_text())
   got = {(r["variant"], r["mode"]) for r in rec["rows"]}
   want = {(v, m) for v in variants for m in ("fwd", "fwd_bwd")} - {("fp8_stored", "fwd_bwd")}  # inference only
   assert got == want
-  assert all(r["ms"] > 0 and r["tflops"] > 0 and r["temp_bytes"] >= 0 for r in rec["rows"])
+  assert all(r["ms"] > 0 and r["tflops"] > 0 and r["sync_ms"] > 0 and r["chain"] == 3 and r["temp_bytes"] >= 0
+             for r in rec["rows"])
   assert path.with_suffix(".png").exists()
   # --check: calc_diff of the output and every gradient against the float32 oracle (einsum has none).
   for r in rec["rows"]:
@@ -142,3 +143,7 @@ def test_bench_layer_attributes_ops_to_their_innermost_stage():
       '  %fusion.3 = bf16[4]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(f)/experts/mul" stack_frame_id=1}\n'
       '  ROOT %custom-call.1 = f32[2]{0} custom-call(%a), metadata={op_name="jit(f)/moe_combine/x"}\n')
   assert names == {"fusion.3": "jit(f)/experts/mul", "custom-call.1": "jit(f)/moe_combine/x"}
+  hlo = '  %fusion.3 = bf16[4,8]{1,0} fusion(%p), kind=kLoop\n  ROOT %custom-call.1 = f32[2]{0} custom-call(%a)\n'
+  assert bench_layer._hlo_shape(hlo, "fusion.3") == "bf16[4,8]{1,0}"  # pylint: disable=protected-access
+  assert bench_layer._hlo_shape(hlo, "custom-call.1") == "f32[2]{0}"  # pylint: disable=protected-access
+  assert bench_layer._hlo_shape(hlo, "fusion.4") == ""  # pylint: disable=protected-access
