@@ -509,15 +509,17 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   """`swiglu_mlp_fp8` of ``rows[perm.src_row]``, the rows quantized (1x128) before they are expanded to one per
-  assignment: the same codes, top_k times fewer rows to quantize, and FP8 rather than float rows permuted. The
-  gradient of the rows is the expansion's (a sum over each row's assignments)."""
-  return _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+  assignment: the same codes, top_k times fewer rows to quantize, and FP8 rather than float rows permuted. With
+  ``codes`` (E4M3 rows and their 1x128 scales, what the rows were decoded from), those are used instead of
+  quantizing the rows, whose values are then not read (only their gradient is made). The gradient of the rows is
+  the expansion's (a sum over each row's assignments)."""
+  return _mlp_fp8_rows_fwd(st, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
 
 
-def _mlp_fp8_rows_fwd(st, rows, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  q, q_sf = _quantize_rows(rows, st.impl)
+def _mlp_fp8_rows_fwd(st, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  q, q_sf = _quantize_rows(rows, st.impl) if codes is None else codes
   y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), row_ops.gather_rows(q, perm.src_row, impl=st.impl),
                         row_ops.gather_rows(q_sf, perm.src_row, impl=st.impl),
                         perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
@@ -528,14 +530,15 @@ def _mlp_fp8_rows_bwd(st, res, ct):
   res, perm = res
   dx, _, _, dw_gu, _, dw_dn, _ = _mlp_fp8_bwd(st, res, ct)
   d_rows, _ = _expand_rows_bwd(st.impl, perm, dx)
-  return d_rows, None, dw_gu, None, dw_dn, None
+  return d_rows, None, None, dw_gu, None, dw_dn, None
 
 
 _mlp_fp8_rows.defvjp(_mlp_fp8_rows_fwd, _mlp_fp8_rows_bwd)
 
 
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
-                 weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None, out_dtype=jnp.bfloat16,
+                 weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None,
+                 wire_codes: Optional[tuple[jax.Array, jax.Array]] = None, out_dtype=jnp.bfloat16,
                  compute_dtype=jnp.bfloat16, method: str = "auto",
                  gemm_impl: Optional[str] = None, impl: str = "auto") -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
@@ -550,6 +553,11 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     recv_topk_weights: [num_ranks, capacity, top_k] float32.
     weights: the local experts' `ExpertWeights`.
     recv_x_sf: for FP8 rows, their [num_ranks, capacity, hidden / 128] float32 1x128 scales.
+    wire_codes: for float recv_x decoded from an fp8_blockwise wire, the (E4M3 [num_ranks, capacity, hidden],
+      float32 [num_ranks, capacity, hidden / 128]) codes and scales it was decoded from. The FP8 experts
+      (gemm_impl) then compute from these, the values that arrived, rather than from recv_x quantized again
+      (which can differ where decoding rounded); recv_x still gets the gradient (straight-through) and its values
+      are not read. Ignored without gemm_impl.
     out_dtype: dtype of the returned payload.
     compute_dtype: matmul operand dtype.
     method: grouped matmul implementation of the `compute_dtype` path: "auto" runs bfloat16 compute on the bf16
@@ -585,6 +593,20 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   top_k = recv_topk_ids.shape[-1]
 
   rows = recv_x.reshape(num_ranks * capacity, hidden)
+  codes = None
+  if wire_codes is not None and gemm_impl is not None:
+    if recv_x_sf is not None or not jnp.issubdtype(recv_x.dtype, jnp.floating) or \
+        jnp.dtype(recv_x.dtype) == jnp.dtype(jnp.float8_e4m3fn):
+      raise ValueError(f"{op}: wire_codes go with float recv_x (the decoded rows) and no recv_x_sf, got recv_x "
+                       f"{jnp.dtype(recv_x.dtype).name} and recv_x_sf {'given' if recv_x_sf is not None else 'None'}")
+    q, q_sf = wire_codes
+    want = ((num_ranks, capacity, hidden), (num_ranks, capacity, hidden // quant.FP8_BLOCK))
+    if (tuple(q.shape), tuple(q_sf.shape)) != want or jnp.dtype(q.dtype) != jnp.dtype(jnp.float8_e4m3fn) \
+        or jnp.dtype(q_sf.dtype) != jnp.dtype(jnp.float32):
+      raise ValueError(f"{op}: wire_codes must be (float8_e4m3fn {want[0]}, float32 {want[1]}), got "
+                       f"({jnp.dtype(q.dtype).name} {tuple(q.shape)}, {jnp.dtype(q_sf.dtype).name} "
+                       f"{tuple(q_sf.shape)})")
+    codes = (q.reshape(num_ranks * capacity, hidden), q_sf.reshape(num_ranks * capacity, -1))
   # FP8 rows go to the FP8 experts as they are (codes and scales permuted together); otherwise they are decoded.
   fp8_rows = recv_x_sf is not None and gemm_impl is not None
   sf_rows = None if recv_x_sf is None else recv_x_sf.reshape(num_ranks * capacity, -1)
@@ -602,7 +624,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   with jax.named_scope("experts"):
     if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
       st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
-      y_sorted = _mlp_fp8_rows(st, rows, perm, weights.w_gate_up, weights.w_gate_up_sf, weights.w_down,
+      y_sorted = _mlp_fp8_rows(st, rows, codes, perm, weights.w_gate_up, weights.w_gate_up_sf, weights.w_down,
                                weights.w_down_sf)
     else:
       y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,

@@ -8,9 +8,11 @@ Per shard, in order (each stage under its own `jax.named_scope`):
 2. ``router``: float32 logits ``x @ router`` and `routing.route` (softmax top-k or DeepSeek-V3 grouped sigmoid).
 3. ``aux``: the load-balance loss and the per-expert load, summed over every axis that holds distinct tokens.
 4. ``wire``: the activations are cast to the wire format (bf16, or E4M3 with one FP32 scale per 1x128 group),
-   dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at the receiver.
+   dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at the receiver (FP8
+   experts on an FP8 wire compute from the received codes themselves; the decoded rows carry the gradient).
 5. ``experts``: `experts.expert_stage` with this rank's experts (permute, grouped SwiGLU, weighted un-permute).
-6. ``moe_combine``: `a2a.combine` sums each token's weighted expert outputs in float32.
+6. ``moe_combine``: `a2a.combine` sums each token's weighted expert outputs in float32 (rounded once, to x's
+   dtype when no shared experts follow).
 7. ``shared_experts``: the shared experts, run on the same (sliced) tokens and added.
 8. ``sequence_parallel_gather``: the slices are all-gathered over `tp_axis`.
 
@@ -399,7 +401,9 @@ def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
       rows = rows.reshape(num_ranks, capacity, hidden)
     else:
       rows = res.recv_x.astype(st.dtype)
-  out = (rows, res.recv_topk_ids, res.recv_topk_weights, res.recv_counts, handle)
+  # The FP8 codes and scales the rows were decoded from (no gradient): FP8 experts compute from them directly.
+  codes = None if x_sf is None else (res.recv_x, res.recv_x_sf)
+  out = (rows, res.recv_topk_ids, res.recv_topk_weights, res.recv_counts, handle, codes)
   return out, (handle, res.recv_topk_ids)
 
 
@@ -410,7 +414,7 @@ def _wire(st, x, topk_ids, topk_weights):
 
 def _wire_bwd(st, res, cts):
   handle, recv_ids = res
-  ct_rows, _, ct_w, _, _ = cts
+  ct_rows, _, ct_w, _, _, _ = cts
   hidden = ct_rows.shape[-1]
   # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
   # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
@@ -461,6 +465,14 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
     recv_counts: [num_ranks] int32.
     handle: the `a2a.DispatchHandle` for `a2a.combine`.
   """
+  return _wire_dispatch_with_codes(x, topk_ids, topk_weights, wire_format=wire_format, num_experts=num_experts,
+                                   axis_name=axis_name, dtype=dtype, impl=impl, workspace=workspace)[:5]
+
+
+def _wire_dispatch_with_codes(x, topk_ids, topk_weights, *, wire_format, num_experts, axis_name, dtype, impl,
+                              workspace):
+  """`wire_dispatch`'s five results and, on an FP8 wire, the received (codes, scales) the rows were decoded from
+  (else None)."""
   if wire_format not in WIRE_FORMATS:
     raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
   st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
@@ -595,13 +607,16 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
   if workspace is not None:
     # The statistics' psums before the dispatch; in the backward, theirs after the weights' cotangents came back.
     aux, topk_weights = _ordered(aux, topk_weights)
-  rows, recv_ids, recv_w, _, handle = wire_dispatch(
+  rows, recv_ids, recv_w, _, handle, codes = _wire_dispatch_with_codes(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
   with jax.named_scope("experts"):
-    expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), out_dtype=dtype,
-                                      compute_dtype=dtype, gemm_impl=config.gemm_impl, impl=config.impl)
-  y = a2a.combine(expert_out, handle, out_dtype=jnp.float32)
+    expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), wire_codes=codes,
+                                      out_dtype=dtype, compute_dtype=dtype, gemm_impl=config.gemm_impl,
+                                      impl=config.impl)
+  # Combine sums in float32 and rounds once to its out_dtype: straight to x's dtype where nothing is added after.
+  direct = not config.num_shared_experts and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+  y = a2a.combine(expert_out, handle, out_dtype=x_dtype if direct else jnp.float32)
   if config.num_shared_experts:
     with jax.named_scope("shared_experts"):
       y = y + _shared_experts(params, x, config, dtype)

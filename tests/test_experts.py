@@ -122,6 +122,46 @@ def test_fp8_experts_take_fp8_rows_as_they_are(gemm_impl):
   assert 1.0 - 2.0 * np.sum(direct * want) / np.sum(direct ** 2 + want ** 2) < 3e-3
 
 
+@pytest.mark.parametrize("gemm_impl", ["reference", "ffi"])
+def test_fp8_experts_compute_from_wire_codes_and_give_the_decoded_rows_the_gradient(gemm_impl):
+  """With wire_codes, the FP8 experts compute from the codes that arrived (the same bits as FP8 rows given as
+  they are; the decoded rows' values are not read, so even NaN rows change nothing), and the decoded rows get
+  the straight-through gradient of the run without codes, up to the bf16 rounding of the decode."""
+  if gemm_impl == "ffi":
+    pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+  x, ids, w = _layout(5)
+  weights = _weights(5)
+  x_q, x_sf = quant.quantize_fp8_blockwise(jnp.asarray(x.reshape(-1, HIDDEN)), impl="reference")
+  rows = quant.dequantize_fp8_blockwise(x_q, x_sf, dtype=jnp.bfloat16).reshape(x.shape)  # rounds
+  codes = (x_q.reshape(x.shape), x_sf.reshape(x.shape[:2] + (HIDDEN // 128,)))
+
+  def stage(rows, codes=None, x_sf=None):
+    return experts.expert_stage(rows, ids, w, weights, recv_x_sf=x_sf, wire_codes=codes, out_dtype=jnp.float32,
+                                gemm_impl=gemm_impl)
+
+  with_codes = np.asarray(jax.jit(stage)(rows, codes))
+  np.testing.assert_array_equal(with_codes, np.asarray(jax.jit(stage)(codes[0], x_sf=codes[1])))
+  np.testing.assert_array_equal(with_codes, np.asarray(jax.jit(stage)(jnp.full_like(rows, jnp.nan), codes)))
+  ct = jnp.asarray(np.random.default_rng(6).standard_normal(with_codes.shape).astype(np.float32))
+  grad = lambda codes: jax.jit(jax.grad(lambda r: jnp.sum(stage(r, codes) * ct)))(rows)
+  g_codes, g_plain = np.asarray(grad(codes), np.float32), np.asarray(grad(None), np.float32)
+  assert np.abs(g_codes).max() > 0
+  assert 1.0 - 2.0 * np.sum(g_codes * g_plain) / np.sum(g_codes ** 2 + g_plain ** 2) < 1e-4
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, sf: (q[:, :-1], sf), "wire_codes must be"),
+    (lambda q, sf: (q.astype(jnp.bfloat16), sf), "wire_codes must be"),
+    (lambda q, sf: (q, sf.astype(jnp.bfloat16)), "wire_codes must be"),
+])
+def test_wire_codes_of_another_shape_or_dtype_are_refused(bad, match):
+  x, ids, w = _layout(5)
+  x_q, x_sf = quant.quantize_fp8_blockwise(jnp.asarray(x.reshape(-1, HIDDEN)), impl="reference")
+  codes = bad(x_q.reshape(x.shape), x_sf.reshape(x.shape[:2] + (HIDDEN // 128,)))
+  with pytest.raises(ValueError, match=match):
+    experts.expert_stage(jnp.asarray(x), ids, w, _weights(5), wire_codes=codes, gemm_impl="reference")
+
+
 @pytest.mark.parametrize("group_sizes", [(0, 0, 0), (1, 0, 300), (128, 129, 0), (17, 5, 40)])
 def test_tiled_and_ragged_dot_agree_with_gradients(group_sizes):
   """The tiled MLP (CPU path, custom VJP) and ragged_dot (JAX's own autodiff): values and all gradients.

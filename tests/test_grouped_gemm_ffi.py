@@ -111,6 +111,25 @@ def test_gpu_deepseek_shape(masked):
 
 
 @pytest.mark.gpu
+def test_gpu_small_and_large_row_tiles_agree():
+  """Decode-sized calls (at most 64 rows per group on average) take the kernel's 64-row tiles, larger ones its
+  128-row tiles: the same groups through both (the row count padded past the threshold) against the oracle and
+  each other, with groups of 0, 1, 63, 64, 65 and 200 rows (several tiles of either kind)."""
+  rng = np.random.default_rng(8)
+  sizes = np.asarray([0, 1, 63, 64, 65, 200, 33, 30] * 4, np.int32)  # 32 groups, 1824 rows: 57 on average
+  a, a_sf, b, b_sf = _operands(rng, (32 * 80,), 32, 1024, 2048)
+  small = _check(a[:32 * 64], a_sf[:32 * 64], b, b_sf, jnp.asarray(sizes), "ffi")
+  large = _check(a, a_sf, b, b_sf, jnp.asarray(sizes), "ffi")
+  assert calc_diff(small, large[:32 * 64]) < 1e-6
+  # The masked layout: R = 64 rows per group (64-row tiles) and R = 72 (128-row tiles).
+  a, a_sf, b, b_sf = _operands(rng, (8, 72), 8, 512, 1024)
+  counts = jnp.asarray([0, 1, 64, 72, 30, 63, 65, 9], jnp.int32)
+  small = _check(a[:, :64], a_sf[:, :64], b, b_sf, counts, "ffi")
+  large = _check(a, a_sf, b, b_sf, counts, "ffi")
+  assert calc_diff(small, large[:, :64]) < 1e-6
+
+
+@pytest.mark.gpu
 def test_gpu_back_to_back_in_one_jit():
   """Many calls in one program (scratch reuse, CUDA graphs when XLA captures them) give the same result."""
   rng = np.random.default_rng(7)

@@ -12,14 +12,19 @@
 //   caller's scratch buffer; the GEMM reads them there. Groups with no rows produce no tiles.
 // - Output rows that no group owns are zeroed by a separate kernel; TMA stores clip each group's tiles to its
 //   rows, so the GEMM never writes outside a group.
-// - One instantiation (tile 128x128x128, cluster 1x2x1) serves both layouts; they differ only in the setup.
-// - The kernel's host-side parameters are built once per (device, scratch address, group count) and cached.
+// - Two instantiations serve both layouts (which differ only in the setup): tiles of 128 rows on two cooperative
+//   warpgroups, and, when the average group has at most 64 rows (decode), tiles of 64 rows on ping-pong
+//   warpgroups. A tile's tensor-core work does not depend on how many of its rows a group fills, so at a few rows
+//   per expert the 128-row tiles do twice the work of the 64-row ones for the same weight reads; both read each
+//   weight tile once per row tile. Cluster 1x2x1 in both.
+// - The kernel's host-side parameters are built once per (tiles, device, scratch address, group count) and cached.
 #include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -61,32 +66,50 @@ constexpr int kAlignmentA = 16;                // elements per 16-byte access
 constexpr int kAlignmentB = 16;
 constexpr int kAlignmentD = 8;
 
-using TileShape = Shape<_128, _128, _128>;
 using ClusterShape = Shape<_1, _2, _1>;
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-    void, LayoutD*, kAlignmentD,  // no C operand
-    ElementD, LayoutD*, kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+// One instantiation of the grouped GEMM: its tile shape and its mainloop and epilogue schedules.
+template <class TileShape, class MainloopSchedule, class EpilogueSchedule>
+struct Fp8GemmConfig {
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlignmentD,  // no C operand
+      ElementD, LayoutD*, kAlignmentD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
 
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentA,
-    ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentB, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-        sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentA,
+      ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
 
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
 
-using StrideA = typename GemmKernel::InternalStrideA;
-using StrideB = typename GemmKernel::InternalStrideB;
-using StrideD = typename GemmKernel::InternalStrideD;
+// Tiles of 128 rows, two consumer warpgroups on one tile.
+using LargeTiles = Fp8GemmConfig<Shape<_128, _128, _128>,
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+// Tiles of 64 rows, the two consumer warpgroups on alternate tiles.
+using SmallTiles = Fp8GemmConfig<Shape<_64, _128, _128>,
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+// The largest average group (rows per group) that takes SmallTiles.
+constexpr int64_t kSmallTileMaxRows = 64;
+
+// The per-group arrays are the same for both instantiations.
+using StrideA = typename LargeTiles::GemmKernel::InternalStrideA;
+using StrideB = typename LargeTiles::GemmKernel::InternalStrideB;
+using StrideD = typename LargeTiles::GemmKernel::InternalStrideD;
+static_assert(std::is_same_v<StrideA, typename SmallTiles::GemmKernel::InternalStrideA> &&
+              std::is_same_v<StrideB, typename SmallTiles::GemmKernel::InternalStrideB> &&
+              std::is_same_v<StrideD, typename SmallTiles::GemmKernel::InternalStrideD>);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Per-group argument arrays, carved from the caller's scratch buffer
@@ -132,11 +155,12 @@ size_t CarveGroupArrays(char* base, int64_t num_groups, GroupArrays* out) {
   return offset;
 }
 
-typename Gemm::Arguments MakeArguments(const GroupArrays& g, int num_groups, int device, int sm_count) {
+template <class Config>
+typename Config::Gemm::Arguments MakeArguments(const GroupArrays& g, int num_groups, int device, int sm_count) {
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = device;
   hw_info.sm_count = sm_count;
-  typename Gemm::Arguments arguments{
+  typename Config::Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
       {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
@@ -234,37 +258,85 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroUnownedRowsKernel(GroupedGem
 // device, the scratch address, the group count and the SM count: the problem shapes and operand addresses are
 // read from the scratch arrays on the device. XLA gives a call site the same scratch buffer every time it runs,
 // so caching them keeps the host work of a call to two kernel launches and the GEMM launch.
-using ParamsKey = std::tuple<int, const void*, int64_t, int>;
-constexpr size_t kMaxCachedParams = 1024;
-std::mutex params_mu;
-std::map<ParamsKey, typename GemmKernel::Params>* params_cache = new std::map<ParamsKey, typename GemmKernel::Params>;
+template <class Config>
+struct ParamsCache {
+  using Params = typename Config::GemmKernel::Params;
+  using Key = std::tuple<int, const void*, int64_t, int>;  // device, scratch, groups, SM count
+  static constexpr size_t kMaxEntries = 1024;
+  std::mutex mu;
+  std::map<Key, Params> entries;
 
-bool LookUpParams(int device, const void* scratch, int64_t groups, int sm_count, typename GemmKernel::Params* out) {
-  std::lock_guard<std::mutex> lock(params_mu);
-  auto it = params_cache->find(ParamsKey(device, scratch, groups, sm_count));
-  if (it == params_cache->end()) return false;
-  *out = it->second;
-  return true;
-}
+  bool LookUp(const Key& key, Params* out) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = entries.find(key);
+    if (it == entries.end()) return false;
+    *out = it->second;
+    return true;
+  }
 
-void StoreParams(int device, const void* scratch, int64_t groups, int sm_count,
-                 const typename GemmKernel::Params& params) {
-  std::lock_guard<std::mutex> lock(params_mu);
-  if (params_cache->size() >= kMaxCachedParams) params_cache->clear();
-  (*params_cache)[ParamsKey(device, scratch, groups, sm_count)] = params;
-}
+  void Store(const Key& key, const Params& params) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (entries.size() >= kMaxEntries) entries.clear();
+    entries[key] = params;
+  }
+
+  static ParamsCache& Get() {
+    static ParamsCache* cache = new ParamsCache;  // never destroyed: handlers may run during process exit
+    return *cache;
+  }
+};
 
 std::string CutlassError(const char* what, cutlass::Status status) {
   return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
 }
 
+template <class Config>
+size_t ScratchBytes(int64_t num_groups, int sm_count) {
+  GroupArrays arrays{};
+  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
+  const auto arguments = MakeArguments<Config>(arrays, static_cast<int>(num_groups), 0, sm_count);
+  return array_bytes + AlignUp(Config::Gemm::get_workspace_size(arguments));
+}
+
+// Runs the GEMM of `Config` on the arrays the setup kernel fills (enqueued before).
+template <class Config>
+std::string RunGemm(cudaStream_t stream, int device, int sm_count, const GroupedGemmFp8Args& args,
+                    const GroupArrays& arrays, void* workspace) {
+  using Gemm = typename Config::Gemm;
+  const auto arguments = MakeArguments<Config>(arrays, static_cast<int>(args.num_groups), device, sm_count);
+  auto& cache = ParamsCache<Config>::Get();
+  const typename ParamsCache<Config>::Key key(device, args.scratch, args.num_groups, sm_count);
+  typename Config::GemmKernel::Params params;
+  if (!cache.LookUp(key, &params)) {
+    Gemm gemm;
+    if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
+      return CutlassError("can_implement", status);
+    }
+    if (auto status = gemm.initialize(arguments, workspace, stream); status != cutlass::Status::kSuccess) {
+      return CutlassError("initialize", status);
+    }
+    params = gemm.params();
+    cache.Store(key, params);
+  } else if (auto status = Config::GemmKernel::initialize_workspace(arguments, workspace, stream);
+             status != cutlass::Status::kSuccess) {
+    return CutlassError("initialize_workspace", status);
+  }
+  if (auto status = Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
+    return CutlassError("run", status);
+  }
+  return "";
+}
+
+// Whether a call takes the 64-row tiles: its average group (the static row count over the groups) is small.
+bool TakesSmallTiles(const GroupedGemmFp8Args& args) {
+  const int64_t average_rows = args.masked ? args.rows : args.rows / std::max<int64_t>(args.num_groups, 1);
+  return average_rows <= kSmallTileMaxRows;
+}
+
 }  // namespace
 
 size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count) {
-  GroupArrays arrays{};
-  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
-  const auto arguments = MakeArguments(arrays, static_cast<int>(num_groups), 0, sm_count);
-  return array_bytes + AlignUp(Gemm::get_workspace_size(arguments));
+  return std::max(ScratchBytes<LargeTiles>(num_groups, sm_count), ScratchBytes<SmallTiles>(num_groups, sm_count));
 }
 
 std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args) {
@@ -285,26 +357,11 @@ std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const Groupe
   ZeroUnownedRowsKernel<<<zero_grid, kZeroThreads, 0, stream>>>(args);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
-  const auto arguments = MakeArguments(arrays, static_cast<int>(args.num_groups), device, sm_count);
   void* workspace = base + array_bytes;
-  typename GemmKernel::Params params;
-  if (!LookUpParams(device, args.scratch, args.num_groups, sm_count, &params)) {
-    Gemm gemm;
-    if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
-      return CutlassError("can_implement", status);
-    }
-    if (auto status = gemm.initialize(arguments, workspace, stream); status != cutlass::Status::kSuccess) {
-      return CutlassError("initialize", status);
-    }
-    params = gemm.params();
-    StoreParams(device, args.scratch, args.num_groups, sm_count, params);
-  } else if (auto status = GemmKernel::initialize_workspace(arguments, workspace, stream);
-             status != cutlass::Status::kSuccess) {
-    return CutlassError("initialize_workspace", status);
-  }
-  if (auto status = Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
-    return CutlassError("run", status);
-  }
+  std::string error = TakesSmallTiles(args)
+                          ? RunGemm<SmallTiles>(stream, device, sm_count, args, arrays, workspace)
+                          : RunGemm<LargeTiles>(stream, device, sm_count, args, arrays, workspace);
+  if (!error.empty()) return error;
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";
 }
