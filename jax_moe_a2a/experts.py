@@ -520,8 +520,9 @@ def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, codes, perm, w_gate_up, w_gate_up_sf,
 
 def _mlp_fp8_rows_fwd(st, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   q, q_sf = _quantize_rows(rows, st.impl) if codes is None else codes
-  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), row_ops.gather_rows(q, perm.src_row, impl=st.impl),
-                        row_ops.gather_rows(q_sf, perm.src_row, impl=st.impl),
+  pos = perm.pos.reshape(perm.valid.shape)
+  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), row_ops.scatter_rows(q, pos, impl=st.impl),
+                        row_ops.scatter_rows(q_sf, pos, impl=st.impl),
                         perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
   return y, (res, perm)
 
@@ -687,8 +688,9 @@ def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _expand_rows(rows: jax.Array, perm: _Permutation, impl: str) -> jax.Array:
-  """``rows[perm.src_row]``: each row once per sorted assignment, [A, hidden]."""
-  return row_ops.gather_rows(rows, perm.src_row, impl=impl)
+  """``rows[perm.src_row]``: each row once per sorted assignment, [A, hidden], written as a scatter of each row to
+  its top_k sorted positions (every row read once)."""
+  return row_ops.scatter_rows(rows, perm.pos.reshape(perm.valid.shape), impl=impl)
 
 
 def _expand_rows_fwd(rows, perm, impl):

@@ -1,9 +1,10 @@
 """Row movement of the expert stage: gathers of rows by index, and weighted sums of k gathered rows.
 
-The expert stage permutes the received rows into expert order (`gather_rows`) and brings the expert outputs back,
-weighted and summed over each token's k assignments (`sum_rows`); their backward passes are the same two
-operations the other way round. Each is the custom call ``jax_moe_a2a_gather_rows`` / ``jax_moe_a2a_sum_rows``
-(a loop on CPU; on GPUs one warp per output row, or per 256-value segment of one, with wide loads) or its pure-JAX twin, with the same bits.
+The expert stage expands the received rows into expert order (`scatter_rows`: each row to its k sorted positions;
+`gather_rows` by index where a row is read once per position) and brings the expert outputs back, weighted and
+summed over each token's k assignments (`sum_rows`); their backward passes are the same operations the other way
+round. Each is the custom call ``jax_moe_a2a_<op>`` (a loop on CPU; on GPUs one warp per row, or per 256-value
+segment of one, with wide loads) or its pure-JAX twin, with the same bits.
 
 Indices outside the source rows select nothing: `gather_rows` gives a zero row, and `sum_rows` adds +0 without
 reading a source row (a NaN in a row that is not selected reaches no output).
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_moe_a2a import _ffi
 
@@ -98,6 +100,53 @@ def gather_rows_reference(x: jax.Array, idx: jax.Array, *, scale: Optional[jax.A
     return jnp.where(valid, rows, jnp.zeros((), x.dtype))
   out_dtype = x.dtype if out_dtype is None else out_dtype
   return jnp.where(valid, rows.astype(jnp.float32) * scale[:, None], 0.0).astype(out_dtype)
+
+
+def scatter_rows(x: jax.Array, pos: jax.Array, *, impl: str = "auto") -> jax.Array:
+  """``out[pos[r, j]] = x[r]``: each row of x written to its K positions, [R * K, H].
+
+  pos must name every output row once (a permutation of [0, R * K) laid out as [R, K]), as the expert stage's
+  sorted positions do; then this equals ``gather_rows(x, idx)`` with ``idx[pos[r, j]] = r``, bit for bit, but reads
+  each row of x once where the gather reads it once per position (K times from memory when x exceeds the cache).
+
+  Args:
+    x: [R, H] rows of any dtype.
+    pos: [R, K] integer positions, a permutation of [0, R * K).
+    impl: "auto", "ffi" or "reference". The CPU handler and the twin refuse (the twin where pos is concrete) a pos
+      that is not a permutation; the GPU kernel does not check it (a row named twice gets one of its values, a
+      row named by none is not written).
+
+  Returns:
+    [R * K, H] of x's dtype.
+  """
+  op = "scatter_rows"
+  if x.ndim != 2:
+    raise ValueError(f"{op}: x must be [R, H], got shape {tuple(x.shape)}")
+  pos = _check_index(op, "pos", pos, 2)
+  if pos.shape[0] != x.shape[0]:
+    raise ValueError(f"{op}: pos must be [R, K] with R = {x.shape[0]} (x's rows), got shape {tuple(pos.shape)}")
+  if _use_ffi(op, impl, True, True, "") and pos.size > 0:
+    return _ffi.ffi_call("scatter_rows", jax.ShapeDtypeStruct((pos.size, x.shape[1]), x.dtype), x, pos)
+  return scatter_rows_reference(x, pos)
+
+
+def scatter_rows_reference(x: jax.Array, pos: jax.Array) -> jax.Array:
+  """The pure-JAX twin of `scatter_rows`: a gather by the inverse permutation (no argument checks beyond a
+  concrete pos being a permutation)."""
+  num = pos.size
+  flat = pos.reshape(-1)
+  if not isinstance(flat, jax.core.Tracer):
+    seen = np.zeros(num, bool)
+    values = np.asarray(flat)
+    ok = values.min(initial=0) >= 0 and values.max(initial=-1) < num
+    if ok:
+      seen[values] = True
+    if not ok or not seen.all():
+      raise ValueError(f"scatter_rows: pos must be a permutation of [0, {num}), got {values.tolist()[:16]}"
+                       + ("..." if num > 16 else ""))
+  src = jnp.zeros((num,), jnp.int32).at[flat].set(jnp.arange(num, dtype=jnp.int32) // max(pos.shape[1], 1),
+                                                   unique_indices=True)
+  return x[src] if num else jnp.zeros((0, x.shape[1]), x.dtype)
 
 
 def sum_rows(y: jax.Array, pos: jax.Array, weights: Optional[jax.Array] = None, *, out_dtype: Any = jnp.float32,

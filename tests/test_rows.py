@@ -38,6 +38,39 @@ def test_gather_rows_equals_the_twin(dtype, num_rows, hidden, n):
   assert not np.any(_bits(want[:2]))
 
 
+def _permutation_positions(rng, num_rows, k):
+  return jnp.asarray(rng.permutation(num_rows * k).astype(np.int32).reshape(num_rows, k))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int32])
+@pytest.mark.parametrize("num_rows,hidden,k", [(7, 64, 3), (1, 3, 2), (40, 7168, 8), (5, 136, 1)])
+def test_scatter_rows_equals_the_twin_and_the_gather_by_the_inverse(dtype, num_rows, hidden, k):
+  """Rows of 6 bytes to 14 KiB (the GPU kernel's narrow words and its four-word batches), k = 1 to 8."""
+  rng = np.random.default_rng(num_rows * hidden + k)
+  x = jnp.asarray(rng.standard_normal((num_rows, hidden)) * 4).astype(dtype)
+  pos = _permutation_positions(rng, num_rows, k)
+  got = jax.jit(lambda x, p: rows.scatter_rows(x, p, impl="ffi"))(x, pos)
+  want = rows.scatter_rows(x, pos, impl="reference")
+  inverse = np.zeros(num_rows * k, np.int32)
+  inverse[np.asarray(pos).reshape(-1)] = np.arange(num_rows * k) // k
+  assert got.shape == (num_rows * k, hidden) and got.dtype == x.dtype
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  np.testing.assert_array_equal(_bits(want), _bits(rows.gather_rows(x, jnp.asarray(inverse), impl="reference")))
+
+
+@pytest.mark.parametrize("bad", [[[0, 0], [1, 2]], [[0, 1], [2, 4]], [[0, 1], [2, -1]]])
+@pytest.mark.parametrize("impl", ["reference", "ffi"])
+def test_scatter_rows_refuses_positions_that_are_not_a_permutation(bad, impl):
+  """Named twice, out of range, negative: the twin refuses a concrete pos, the CPU handler any pos."""
+  if impl == "ffi" and (not _ffi.available() or jax.default_backend() != "cpu"):
+    pytest.skip("the CPU handler checks the permutation; the GPU kernel does not")
+  x = jnp.arange(8, dtype=jnp.float32).reshape(2, 4)
+  with pytest.raises(Exception, match="permutation"):
+    jax.block_until_ready(jax.jit(lambda x, p: rows.scatter_rows(x, p, impl=impl))(x, jnp.asarray(bad, jnp.int32))
+                          if impl == "ffi" else rows.scatter_rows(x, jnp.asarray(bad, jnp.int32), impl=impl))
+
+
 @needs_ext
 @pytest.mark.parametrize("in_dtype,out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
                                                 (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)])

@@ -23,6 +23,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCpu);
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
@@ -32,6 +33,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCuda);
 #endif
 
@@ -96,6 +98,7 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         cpu["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cpu);
         cpu["jax_moe_a2a_grouped_gemm_bf16"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmBf16Cpu);
         cpu["jax_moe_a2a_gather_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aGatherRowsCpu);
+        cpu["jax_moe_a2a_scatter_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aScatterRowsCpu);
         cpu["jax_moe_a2a_sum_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aSumRowsCpu);
         platforms["cpu"] = cpu;
 #ifdef JAX_MOE_A2A_WITH_CUDA
@@ -107,6 +110,7 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         cuda["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cuda);
         cuda["jax_moe_a2a_grouped_gemm_bf16"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmBf16Cuda);
         cuda["jax_moe_a2a_gather_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aGatherRowsCuda);
+        cuda["jax_moe_a2a_scatter_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aScatterRowsCuda);
         cuda["jax_moe_a2a_sum_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aSumRowsCuda);
         platforms["CUDA"] = cuda;
 #endif

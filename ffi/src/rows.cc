@@ -1,15 +1,20 @@
-// rows.cc -- handlers of jax_moe_a2a_gather_rows and jax_moe_a2a_sum_rows (CPU, and CUDA when built with it): the
+// rows.cc -- handlers of jax_moe_a2a_gather_rows, jax_moe_a2a_scatter_rows and jax_moe_a2a_sum_rows (CPU, and CUDA when built with it): the
 // expert stage's row movement between the received rows and the rows sorted by expert.
 //
 //   gather_rows(x [R, H], idx [A], scale [A] or [0]) -> out [A, H]
 //     out[i] = x[idx[i]] (any dtype, out's dtype = x's), or float(x[idx[i]]) * scale[i] in out's dtype (x and out
 //     bfloat16 or float32); a row whose idx is outside [0, R) is 0.
+//   scatter_rows(x [R, H], pos [R, K]) -> out [R * K, H]
+//     out[pos[r, j]] = x[r] (any dtype): pos must name every output row once (a permutation of [0, R * K)), which
+//     the CPU handler checks and the CUDA one does not (there a row named twice gets one of its values, and a
+//     row named by none is not written).
 //   sum_rows(y [A, H], pos [R, K], weights [R, K] or [0]) -> out [R, H]
 //     out[r] = sum over j in ascending order of float(y[pos[r, j]]) * weights[r, j] (weight 1 without weights), in
 //     float32, then in out's dtype (y and out bfloat16 or float32); a term whose pos is outside [0, A) adds +0.
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +28,7 @@ namespace jax_moe_a2a {
 namespace {
 
 constexpr char kGatherOp[] = "jax_moe_a2a_gather_rows";
+constexpr char kScatterOp[] = "jax_moe_a2a_scatter_rows";
 constexpr char kSumOp[] = "jax_moe_a2a_sum_rows";
 
 bool IsFloatRow(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F32; }
@@ -65,6 +71,32 @@ ffi::Error CheckGather(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& idx
                       DataTypeName(out->element_type()));
   }
   s->row_bytes = static_cast<int64_t>(ffi::ByteWidth(x.element_type())) * s->hidden;
+  return ffi::Error::Success();
+}
+
+struct ScatterShape {
+  int64_t x_rows = 0, k = 0, out_rows = 0, row_bytes = 0;
+};
+
+ffi::Error CheckScatter(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& pos,
+                        const ffi::Result<ffi::AnyBuffer>& out, ScatterShape* s) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return InvalidArg(kScatterOp, "x", "[R, H]", DimsToString(xd));
+  const auto pd = pos.dimensions();
+  if (pd.size() != 2 || pd[0] != xd[0]) {
+    return InvalidArg(kScatterOp, "pos", "[R, K] with R = " + std::to_string(xd[0]), DimsToString(pd));
+  }
+  s->x_rows = xd[0], s->k = pd[1], s->out_rows = xd[0] * pd[1];
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != s->out_rows || od[1] != xd[1]) {
+    return InvalidArg(kScatterOp, "out", "[R * K, H] = [" + std::to_string(s->out_rows) + ", " +
+                                             std::to_string(xd[1]) + "]", DimsToString(od));
+  }
+  if (out->element_type() != x.element_type()) {
+    return InvalidArg(kScatterOp, "out", "x's dtype " + DataTypeName(x.element_type()),
+                      DataTypeName(out->element_type()));
+  }
+  s->row_bytes = static_cast<int64_t>(ffi::ByteWidth(x.element_type())) * xd[1];
   return ffi::Error::Success();
 }
 
@@ -143,6 +175,27 @@ ffi::Error GatherRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> idx, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error ScatterRowsCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out) {
+  ScatterShape s;
+  if (auto err = CheckScatter(x, pos, out, &s); err.failure()) return err;
+  const int32_t* p = pos.typed_data();
+  std::vector<bool> named(static_cast<size_t>(s.out_rows), false);
+  for (int64_t i = 0; i < s.out_rows; ++i) {
+    const int64_t dst = p[i];
+    if (dst < 0 || dst >= s.out_rows || named[dst]) {
+      return InvalidArg(kScatterOp, "pos", "a permutation of [0, " + std::to_string(s.out_rows) + ")",
+                        "entry " + std::to_string(i) + " = " + std::to_string(dst) +
+                            (dst >= 0 && dst < s.out_rows ? " (named twice)" : " (out of range)"));
+    }
+    named[dst] = true;
+  }
+  for (int64_t i = 0; i < s.out_rows; ++i) {
+    std::memcpy(static_cast<uint8_t*>(out->untyped_data()) + p[i] * s.row_bytes,
+                static_cast<const uint8_t*>(x.untyped_data()) + (i / s.k) * s.row_bytes, s.row_bytes);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error SumRowsCpuImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> weights,
                           ffi::Result<ffi::AnyBuffer> out) {
   SumShape s;
@@ -194,6 +247,17 @@ ffi::Error GatherRowsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+ffi::Error ScatterRowsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> pos,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  ScatterShape s;
+  if (auto err = CheckScatter(x, pos, out, &s); err.failure()) return err;
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchScatterRows(stream, x.untyped_data(), pos.typed_data(), out->untyped_data(),
+                                                     s.x_rows, s.k, s.out_rows, s.row_bytes));
+  return ffi::Error::Success();
+}
+
 ffi::Error SumRowsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> pos,
                            ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
   SumShape s;
@@ -220,6 +284,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCpu, jax_moe_a2a::GatherRowsCpu
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale
                                   .Ret<xla::ffi::AnyBuffer>());                // out
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCpu, jax_moe_a2a::ScatterRowsCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // pos
+                                  .Ret<xla::ffi::AnyBuffer>());                // out
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCpu, jax_moe_a2a::SumRowsCpuImpl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()                  // y
@@ -235,6 +305,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCuda, jax_moe_a2a::GatherRowsCu
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // idx
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // scale
+                                  .Ret<xla::ffi::AnyBuffer>(),                    // out
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCuda, jax_moe_a2a::ScatterRowsCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // pos
                                   .Ret<xla::ffi::AnyBuffer>(),                    // out
                               {xla::ffi::Traits::kCmdBufferCompatible});
 

@@ -1,4 +1,5 @@
-// rows_kernels.cu -- the expert stage's row movement on the GPU: gathers by index and weighted sums of k rows.
+// rows_kernels.cu -- the expert stage's row movement on the GPU: gathers by index, scatters of each row to its k
+// positions, and weighted sums of k rows.
 //
 // NOTES:
 //   - A plain gather moves words (16 bytes, or the widest that divides a row): one warp per output row, four loads
@@ -6,6 +7,8 @@
 //     values (16 bytes of bfloat16, 32 of float32), so a warp's loads of one source row are contiguous and a few
 //     rows (decode) still fill the GPU. Loads use the read-only path (16-byte ones do not allocate in L1: each
 //     source byte is read once per output row that names it).
+//   - A scatter reads each source row once and writes it k times: where the source rows exceed the L2 cache, a
+//     gather of the same rows reads each from memory once per output row (k times).
 //   - Products and sums use __fmul_rn / __fadd_rn: no fused multiply-add, so the CPU handler and the pure-JAX twin
 //     (a product, then a sum in ascending k) round the same way.
 //   - An index outside the source rows contributes nothing: a zero row for a gather, a term of +0 for a sum (its
@@ -96,6 +99,38 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(const W* __restrict
       dst[v] = a, dst[v + 32] = b, dst[v + 64] = c, dst[v + 96] = d;
     }
     for (; v < words_per_row; v += 32) dst[v] = LoadWord(from + v);
+  }
+}
+
+// out[pos[r, j]] = x[r] for j < k: one warp per source row, which it reads once (four words in flight per lane)
+// and writes to its k positions. Positions outside [0, num_out_rows) are skipped.
+template <typename W>
+__global__ void __launch_bounds__(kThreads) ScatterRowsKernel(const W* __restrict__ x, const int32_t* __restrict__ pos,
+                                                              W* __restrict__ out, int64_t num_x_rows, int k,
+                                                              int64_t num_out_rows, int64_t words_per_row) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_x_rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const W* from = x + row * words_per_row;
+    const int32_t* row_pos = pos + row * k;
+    int64_t v = lane;
+    for (; v + 96 < words_per_row; v += 128) {  // four loads in flight per lane, each stored k times
+      const W a = LoadWord(from + v), b = LoadWord(from + v + 32), c = LoadWord(from + v + 64),
+              d = LoadWord(from + v + 96);
+      for (int j = 0; j < k; ++j) {
+        const int64_t p = row_pos[j];  // the same address in every lane: one load for the warp
+        if (p < 0 || p >= num_out_rows) continue;
+        W* dst = out + p * words_per_row;
+        dst[v] = a, dst[v + 32] = b, dst[v + 64] = c, dst[v + 96] = d;
+      }
+    }
+    for (; v < words_per_row; v += 32) {
+      const W a = LoadWord(from + v);
+      for (int j = 0; j < k; ++j) {
+        const int64_t p = row_pos[j];
+        if (p >= 0 && p < num_out_rows) out[p * words_per_row + v] = a;
+      }
+    }
   }
 }
 
@@ -204,6 +239,23 @@ cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* 
     using W = decltype(word);
     GatherRowsKernel<W><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
         static_cast<const W*>(x), idx, static_cast<W*>(out), num_x_rows, num_out_rows,
+        row_bytes / static_cast<int64_t>(sizeof(W)));
+    return cudaGetLastError();
+  };
+  if (row_bytes % 16 == 0) return launch(uint4{});
+  if (row_bytes % 8 == 0) return launch(uint2{});
+  if (row_bytes % 4 == 0) return launch(uint32_t{});
+  if (row_bytes % 2 == 0) return launch(uint16_t{});
+  return launch(uint8_t{});
+}
+
+cudaError_t LaunchScatterRows(cudaStream_t stream, const void* x, const int32_t* pos, void* out, int64_t num_x_rows,
+                              int64_t k, int64_t num_out_rows, int64_t row_bytes) {
+  if (num_x_rows == 0 || k == 0) return cudaSuccess;
+  auto launch = [&](auto word) {
+    using W = decltype(word);
+    ScatterRowsKernel<W><<<Blocks(num_x_rows), kThreads, 0, stream>>>(
+        static_cast<const W*>(x), pos, static_cast<W*>(out), num_x_rows, static_cast<int>(k), num_out_rows,
         row_bytes / static_cast<int64_t>(sizeof(W)));
     return cudaGetLastError();
   };

@@ -13,6 +13,11 @@ enum class RowType { kBF16, kF32 };
 cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* idx, void* out, int64_t num_x_rows,
                              int64_t num_out_rows, int64_t row_bytes);
 
+// out[pos[r, j], :] = x[r, :] for r < num_x_rows, j < k, skipping positions outside [0, num_out_rows) (rows of
+// row_bytes bytes). Output rows no position names are not written.
+cudaError_t LaunchScatterRows(cudaStream_t stream, const void* x, const int32_t* pos, void* out, int64_t num_x_rows,
+                              int64_t k, int64_t num_out_rows, int64_t row_bytes);
+
 // out[i, :] = to_out(float(x[idx[i], :]) * scale[i]) (0 where idx[i] is out of range); hidden % 8 == 0, x and out
 // bfloat16 or float32.
 cudaError_t LaunchGatherRowsScaled(cudaStream_t stream, RowType in, RowType out_type, const void* x,
