@@ -15,7 +15,7 @@ extension has handlers). The exchange follows the layer's ``workspace`` argument
   takes the one-sided calls on any platform.
 - ``"on"``: the one-sided calls on any platform that has handlers (CPU included); ``"off"`` (or None): the
   twin's collectives always.
-- an `a2a.Workspace`: that one (it must fit every call: `moe.make_workspace`).
+- a `Workspace`: that one (it must fit every call: `moe.make_workspace`).
 
 With ``"auto"``/``"on"`` the layer makes one workspace per (config, mesh, global token count) it is called with,
 sized for training (`moe.make_workspace(..., training=True)`), when the call is traced, and keeps it for later
@@ -34,12 +34,13 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_moe_a2a import _ffi, a2a, moe
+from jax_moe_a2a import _ffi, moe
+from jax_moe_a2a.workspace import Workspace
 
 WORKSPACE_MODES = ("auto", "on", "off")
-WorkspaceArg = Union[str, a2a.Workspace]
+WorkspaceArg = Union[str, Workspace]
 
-_workspaces: dict[tuple, a2a.Workspace] = {}
+_workspaces: dict[tuple, Workspace] = {}
 
 
 def close_workspaces() -> None:
@@ -53,15 +54,15 @@ atexit.register(close_workspaces)
 
 
 def _check_workspace_arg(op: str, workspace: Any) -> None:
-  if not isinstance(workspace, a2a.Workspace) and workspace is not None and workspace not in WORKSPACE_MODES:
+  if not isinstance(workspace, Workspace) and workspace is not None and workspace not in WORKSPACE_MODES:
     raise ValueError(f"{op}: workspace must be one of {', '.join(map(repr, WORKSPACE_MODES))}, None (as 'off') or "
                      f"an a2a.Workspace, got {workspace!r}")
 
 
 def _layer_workspace(workspace: WorkspaceArg, config: moe.MoEConfig, mesh: Mesh,
-                     x: jax.Array) -> Optional[a2a.Workspace]:
+                     x: jax.Array) -> Optional[Workspace]:
   """The workspace one call of a layer takes (module docstring), made and kept on first use."""
-  if isinstance(workspace, a2a.Workspace):
+  if isinstance(workspace, Workspace):
     return workspace
   if workspace in (None, "off") or _ffi.resolve_impl("MoE", config.impl) != "ffi":
     return None
@@ -102,7 +103,7 @@ class MoE(nnx.Module):
       config: the layer (a `moe.MoEConfig`).
       mesh: the mesh the layer runs on; must hold every axis the config names.
       rngs: an `nnx.Rngs` with a ``params`` stream.
-      workspace: ``"auto"``, ``"on"``, ``"off"``/None or an `a2a.Workspace`: how the exchange runs (module
+      workspace: ``"auto"``, ``"on"``, ``"off"``/None or a `Workspace`: how the exchange runs (module
         docstring).
     """
     if not isinstance(config, moe.MoEConfig):
@@ -145,7 +146,7 @@ class LinenMoE(nn.Module):
   Attributes:
     config: the layer (a `moe.MoEConfig`).
     mesh: the mesh the layer runs on.
-    workspace: ``"auto"``, ``"on"``, ``"off"``/None or an `a2a.Workspace`: how the exchange runs (module
+    workspace: ``"auto"``, ``"on"``, ``"off"``/None or a `Workspace`: how the exchange runs (module
       docstring).
   """
 

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moe_a2a import _ffi, a2a, experts, layout, quant, routing
+from jax_moe_a2a.workspace import Workspace
 
 # Mesh axis names of the default layout: tokens over (data, expert), experts over expert.
 DATA_AXIS = "data"
@@ -382,7 +383,7 @@ class _WireStatic:
   dtype: Any  # of the decoded rows
   x_dtype: Any  # of the tokens, and of their gradient
   impl: str
-  workspace: Optional[a2a.Workspace] = None
+  workspace: Optional[Workspace] = None
 
 
 def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
@@ -438,13 +439,13 @@ _wire.defvjp(_wire_forward, _wire_bwd)
 
 def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
                   num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto",
-                  workspace: Optional[a2a.Workspace] = None):
+                  workspace: Optional[Workspace] = None):
   """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
 
   The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
   `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
   received rows and weights go back by `a2a.combine` over the dispatch's slots (the rows one-sided when the
-  workspace's combine rows hold them exactly, `a2a.Workspace.fits_combine_rows`; else rows and weights in one
+  workspace's combine rows hold them exactly, `Workspace.fits_combine_rows`; else rows and weights in one
   reference exchange), so no quantization error enters the gradient and no dispatch is recomputed.
 
   Args:
@@ -456,7 +457,7 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
     axis_name: the expert mesh axis (or tuple of axes).
     dtype: dtype of the decoded rows.
     impl: passed to the quantization ops and to `a2a.dispatch`.
-    workspace: the `a2a.Workspace` of the one-sided custom calls (None: the all_to_all twin).
+    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin).
 
   Returns:
     rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
@@ -530,7 +531,7 @@ def _expert_weights(params) -> experts.ExpertWeights:
 
 
 # With a workspace, every collective of the layer is ordered by data with respect to every one-sided call (see
-# a2a.Workspace: XLA:CPU runs a device's independent ops in any order, and a device inside a one-sided call waiting
+# Workspace: XLA:CPU runs a device's independent ops in any order, and a device inside a one-sided call waiting
 # for a peer inside a collective deadlocks). On every device the forward runs the routing statistics' psums, then
 # dispatch, combine and the sequence-parallel all_gather; the backward the psum_scatter over tp, combine's VJP, the
 # wire's VJP (its rows one-sided, then the weights' all_to_all), the statistics' psums, and last the psums that
@@ -590,7 +591,7 @@ def _joined_bwd(_, cts):
 _joined.defvjp(_joined_fwd, _joined_bwd)
 
 
-def _body(params, x, *, config: MoEConfig, workspace: Optional[a2a.Workspace]):
+def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace]):
   """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
   if workspace is not None:
     params, x = _joined((params, x))  # the inputs' psums in the backward come last
@@ -652,8 +653,8 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[a2a.Workspace]):
-  if isinstance(workspace, a2a.Workspace):
+def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[Workspace]):
+  if isinstance(workspace, Workspace):
     workspace.check_mesh("moe_apply", mesh, config.expert_axis)  # the calls check it too, when lowered
   tok = config.token_axes or None
   x_spec = P(tok, *([None] * (x.ndim - 1)))
@@ -694,7 +695,7 @@ def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: Mesh) -> Any:
 
 
 def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Mesh, *,
-              workspace: Optional[a2a.Workspace] = None,
+              workspace: Optional[Workspace] = None,
               gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
 
@@ -709,8 +710,8 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       An x sharded otherwise (or not committed to the mesh) is resharded to that, also over Explicit mesh axes.
     config: the layer.
     mesh: a mesh holding every axis the config names.
-    workspace: an `a2a.Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
-      of the same devices in another order, is refused: `a2a.Workspace.check_mesh`): dispatch and combine then run
+    workspace: a `Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
+      of the same devices in another order, is refused: `Workspace.check_mesh`): dispatch and combine then run
       as one-sided custom calls. None: the twin throughout.
     gemm_impl: when given, replaces `config.gemm_impl` (e.g. "ffi": the routed experts on the FP8 grouped GEMM
       custom call).
@@ -738,12 +739,12 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
 
 
 def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s: float = 10.0,
-                   training: bool = False) -> a2a.Workspace:
-  """The `a2a.Workspace` that `moe_apply(..., workspace=...)` needs for `num_tokens` global tokens.
+                   training: bool = False) -> Workspace:
+  """The `Workspace` that `moe_apply(..., workspace=...)` needs for `num_tokens` global tokens.
 
   Sized for one shard's dispatch: num_tokens over the token sharding (and over tp under sequence parallelism),
   the wire format and top_k of the config, and expert outputs in the compute dtype; with ``training``, room for
-  the rows of combine's VJP too, so that it is one-sided whatever the wire format (`a2a.Workspace`).
+  the rows of combine's VJP too, so that it is one-sided whatever the wire format (`Workspace`).
   Close it when done.
   """
   sizes = dict(mesh.shape)
@@ -751,9 +752,9 @@ def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s:
   capacity = num_tokens // shards
   if config.sequence_parallel:
     capacity //= sizes[config.tp_axis]
-  return a2a.Workspace(mesh, expert_axis=config.expert_axis, capacity=max(capacity, 1), hidden=config.hidden,
-                       top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s,
-                       training=training)
+  return Workspace(mesh, expert_axis=config.expert_axis, capacity=max(capacity, 1), hidden=config.hidden,
+                   top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s,
+                   training=training)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-// rows.cc -- handlers of jax_moe_a2a_gather_rows, jax_moe_a2a_scatter_rows and jax_moe_a2a_sum_rows (CPU, and CUDA when built with it): the
-// expert stage's row movement between the received rows and the rows sorted by expert.
+// rows.cc -- handlers of jax_moe_a2a_gather_rows, jax_moe_a2a_scatter_rows and jax_moe_a2a_sum_rows (CPU, and CUDA
+// when built with it): the expert stage's row movement between the received rows and the rows sorted by expert.
 //
 //   gather_rows(x [R, H], idx [A], scale [A] or [0]) -> out [A, H]
 //     out[i] = x[idx[i]] (any dtype, out's dtype = x's), or float(x[idx[i]]) * scale[i] in out's dtype (x and out
