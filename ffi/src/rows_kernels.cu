@@ -230,40 +230,41 @@ cudaError_t WithRowTypes(RowType in, RowType out, Fn fn) {
   return cudaErrorInvalidValue;
 }
 
+// Calls fn with a value of the widest word (16, 8, 4, 2 or 1 bytes) that divides row_bytes, so every row of a
+// contiguous array of such rows is aligned to it.
+template <typename Fn>
+cudaError_t WithRowWord(int64_t row_bytes, Fn fn) {
+  if (row_bytes % 16 == 0) return fn(uint4{});
+  if (row_bytes % 8 == 0) return fn(uint2{});
+  if (row_bytes % 4 == 0) return fn(uint32_t{});
+  if (row_bytes % 2 == 0) return fn(uint16_t{});
+  return fn(uint8_t{});
+}
+
 }  // namespace
 
 cudaError_t LaunchGatherRows(cudaStream_t stream, const void* x, const int32_t* idx, void* out, int64_t num_x_rows,
                              int64_t num_out_rows, int64_t row_bytes) {
   if (num_out_rows == 0) return cudaSuccess;
-  auto launch = [&](auto word) {
+  return WithRowWord(row_bytes, [&](auto word) {
     using W = decltype(word);
     GatherRowsKernel<W><<<Blocks(num_out_rows), kThreads, 0, stream>>>(
         static_cast<const W*>(x), idx, static_cast<W*>(out), num_x_rows, num_out_rows,
         row_bytes / static_cast<int64_t>(sizeof(W)));
     return cudaGetLastError();
-  };
-  if (row_bytes % 16 == 0) return launch(uint4{});
-  if (row_bytes % 8 == 0) return launch(uint2{});
-  if (row_bytes % 4 == 0) return launch(uint32_t{});
-  if (row_bytes % 2 == 0) return launch(uint16_t{});
-  return launch(uint8_t{});
+  });
 }
 
 cudaError_t LaunchScatterRows(cudaStream_t stream, const void* x, const int32_t* pos, void* out, int64_t num_x_rows,
                               int64_t k, int64_t num_out_rows, int64_t row_bytes) {
   if (num_x_rows == 0 || k == 0) return cudaSuccess;
-  auto launch = [&](auto word) {
+  return WithRowWord(row_bytes, [&](auto word) {
     using W = decltype(word);
     ScatterRowsKernel<W><<<Blocks(num_x_rows), kThreads, 0, stream>>>(
         static_cast<const W*>(x), pos, static_cast<W*>(out), num_x_rows, static_cast<int>(k), num_out_rows,
         row_bytes / static_cast<int64_t>(sizeof(W)));
     return cudaGetLastError();
-  };
-  if (row_bytes % 16 == 0) return launch(uint4{});
-  if (row_bytes % 8 == 0) return launch(uint2{});
-  if (row_bytes % 4 == 0) return launch(uint32_t{});
-  if (row_bytes % 2 == 0) return launch(uint16_t{});
-  return launch(uint8_t{});
+  });
 }
 
 cudaError_t LaunchGatherRowsScaled(cudaStream_t stream, RowType in, RowType out_type, const void* x,
