@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_moe_a2a import _ffi
+from jax_moe_a2a import _ffi, routing
 from jax_moe_a2a.layout import INVALID_EXPERT
 from jax_moe_a2a.workspace import Workspace, _describe, _row_bytes  # Workspace: public here too (a2a.Workspace)
 
@@ -158,9 +158,7 @@ def _route(topk_ids: jax.Array, num_experts: int, num_ranks: int) -> tuple[jax.A
     topk_rank: ``[T, top_k] int32``, the rank holding expert ``topk_ids[t, k]``, -1 for invalid ids.
     send_slot: ``[T, R] int32``, exclusive prefix count of ``dest[:, r]`` where ``dest[t, r]``, else -1.
   """
-  local = num_experts // num_ranks
-  valid = (topk_ids >= 0) & (topk_ids < num_experts)
-  topk_rank = jnp.where(valid, topk_ids // local, INVALID_EXPERT).astype(jnp.int32)
+  topk_rank = routing.expert_to_rank(topk_ids, num_experts, num_ranks)
   dest = jnp.any(topk_rank[:, None, :] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :, None], axis=-1)
   dest_i = dest.astype(jnp.int32)
   before = jnp.cumsum(dest_i, axis=0, dtype=jnp.int32) - dest_i
@@ -300,11 +298,11 @@ def _dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
   if st.workspace is not None:
     return _ffi_dispatch_forward(st, x, x_sf, topk_ids, topk_weights)
   num_ranks = st.num_ranks
-  local = st.num_experts // num_ranks
   topk_rank, send_slot = _route(topk_ids, st.num_experts, num_ranks)
-  ranks = jnp.arange(num_ranks, dtype=jnp.int32)[None, :, None]
-  on_rank = topk_rank[:, None, :] == ranks  # [T, R, top_k]: expert k of token t lives on rank r
-  local_ids = jnp.where(on_rank, topk_ids[:, None, :] - ranks * local, INVALID_EXPERT).astype(jnp.int32)
+  on_rank = topk_rank[:, None, :] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :, None]  # [T, R, top_k]
+  # [T, R, top_k]: the ids as rank r's local ids, INVALID_EXPERT where the expert lives elsewhere.
+  local_ids = jax.vmap(lambda r: routing.local_expert_ids(topk_ids, r, st.num_experts, num_ranks), out_axes=1)(
+      jnp.arange(num_ranks, dtype=jnp.int32))
   local_w = jnp.where(on_rank, topk_weights[:, None, :], jnp.float32(0.0))
 
   send_x = _scatter_to_slots(x, send_slot, per_rank=False)

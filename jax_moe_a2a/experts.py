@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_moe_a2a import grouped_gemm, quant
+from jax_moe_a2a import grouped_gemm, quant, routing
 from jax_moe_a2a import rows as row_ops
 
 
@@ -677,7 +677,7 @@ class _Permutation:
 
 def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   top_k = ids.shape[-1]
-  valid = (ids >= 0) & (ids < num_local_experts)
+  valid = routing.valid_mask(ids, num_local_experts)
   key = jnp.where(valid, ids, num_local_experts).reshape(-1)
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   num = order.shape[0]
