@@ -2,7 +2,10 @@
 
 `dispatch` sends each token to every rank that holds at least one of its top-k experts; `combine` brings the
 expert ranks' results back and sums them per token. Both run per shard inside `jax.shard_map`, over one mesh
-axis (the expert axis) of size ``num_ranks``; ``me`` is this shard's index on it.
+axis (the expert axis) of size ``num_ranks``; ``me`` is this shard's index on it. `wire_dispatch` is the layer's
+dispatch: encode to the wire format, dispatch, decode, with a straight-through gradient. How the cotangents of a
+dispatch travel back (one-sided or the twin's exchange) is decided in one place, `_rows_back_one_sided`, for both
+VJPs.
 
 These functions are the exact twin of the one-sided NVLink custom call: the custom call must reproduce every
 output below bit for bit. The contract (DESIGN.md §3), per shard, with ``T = num_tokens`` (static), ``R =
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_moe_a2a import _ffi, routing
+from jax_moe_a2a import _ffi, layout, quant, routing
 from jax_moe_a2a.layout import INVALID_EXPERT
 from jax_moe_a2a.workspace import Workspace, _describe, _row_bytes  # Workspace: public here too (a2a.Workspace)
 
@@ -329,6 +332,18 @@ def _dispatch(st, x, x_sf, topk_ids, topk_weights):
   return _dispatch_forward(st, x, x_sf, topk_ids, topk_weights)[0]
 
 
+def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_experts, workspace):
+  """The received rows' cotangents summed back at their source tokens, one-sided: a combine over the dispatch's
+  slots, in float32, the same sums as the twin's exchange. Returns None where they take the twin's exchange
+  instead: no workspace, or rows the workspace's combine rows do not hold exactly (`Workspace.fits_combine_rows`).
+  The one rule for both VJPs of a dispatch (`dispatch`'s and the wire's)."""
+  if workspace is None or ct_rows is None or not workspace.fits_combine_rows(ct_rows):
+    return None
+  st = _CombineStatic(axis_name=axis_name, expert_dtype=workspace.combine_dtype,
+                      out_dtype=jnp.dtype(jnp.float32), num_experts=num_experts, workspace=workspace)
+  return _ffi_combine(st, ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts)
+
+
 def _dispatch_bwd(st: _DispatchStatic, res, cts):
   send_slot, topk_rank, recv_counts = res
   ct_result, _ = cts  # the handle's arrays are integers: no cotangents
@@ -339,13 +354,11 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
       return None
     return _sum_from_slots(_exchange(ct, ax), send_slot).astype(dtype)
 
-  ws = st.workspace
-  if (ws is not None and jnp.issubdtype(st.x_dtype, jnp.floating)
-      and ws.fits_combine_rows(ct_result.recv_x)):
-    # The rows' cotangents go back one-sided: a combine over the same slots, the same float32 sum as above.
-    combine_st = _CombineStatic(axis_name=ax, expert_dtype=ws.combine_dtype, out_dtype=jnp.dtype(jnp.float32),
-                                num_experts=st.num_experts, workspace=ws)
-    dx = _ffi_combine(combine_st, ct_result.recv_x.astype(ws.combine_dtype), send_slot, recv_counts)
+  dx = None
+  if jnp.issubdtype(st.x_dtype, jnp.floating):
+    dx = _rows_back_one_sided(ct_result.recv_x, send_slot, recv_counts, axis_name=ax, num_experts=st.num_experts,
+                              workspace=st.workspace)
+  if dx is not None:
     dx = dx.astype(st.x_dtype)
     # The exchanges below follow the one-sided call by data: XLA:CPU would otherwise run them in any order, and a
     # device inside one waiting for a peer inside the other deadlocks.
@@ -554,6 +567,120 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
     handle.workspace.check_combine(expert_out, out_dtype, num_ranks)
   with jax.named_scope("moe_combine"):
     return _combine(st, expert_out, handle.send_slot, handle.recv_counts, handle.topk_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wire: encode, dispatch, decode (straight-through gradient)
+# ----------------------------------------------------------------------------------------------------------------
+
+WIRE_FORMATS: tuple[str, ...] = (layout.BF16, layout.FP8_BLOCKWISE)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WireStatic:
+  wire_format: str
+  axis_name: Any
+  num_experts: int
+  dtype: Any  # of the decoded rows
+  x_dtype: Any  # of the tokens, and of their gradient
+  impl: str
+  workspace: Optional[Workspace] = None
+
+
+def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
+  with jax.named_scope("wire_encode"):
+    if st.wire_format == layout.FP8_BLOCKWISE:
+      x_q, x_sf = quant.quantize_fp8_blockwise(x, impl=st.impl)
+    else:
+      x_q, x_sf = x.astype(jnp.bfloat16), None
+  res, handle = dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
+                         x_sf=x_sf, workspace=st.workspace, impl=st.impl)
+  with jax.named_scope("wire_decode"):
+    num_ranks, capacity, hidden = res.recv_x.shape
+    if x_sf is not None:
+      rows = quant.dequantize_fp8_blockwise(res.recv_x.reshape(num_ranks * capacity, hidden),  # one XLA fusion
+                                            res.recv_x_sf.reshape(num_ranks * capacity, -1), dtype=st.dtype)
+      rows = rows.reshape(num_ranks, capacity, hidden)
+    else:
+      rows = res.recv_x.astype(st.dtype)
+  # The FP8 codes and scales the rows were decoded from (no gradient): FP8 experts compute from them directly.
+  codes = None if x_sf is None else (res.recv_x, res.recv_x_sf)
+  out = (rows, res.recv_topk_ids, res.recv_topk_weights, res.recv_counts, handle, codes)
+  return out, (handle, res.recv_topk_ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _wire(st, x, topk_ids, topk_weights):
+  return _wire_forward(st, x, topk_ids, topk_weights)[0]
+
+
+def _wire_bwd(st, res, cts):
+  handle, recv_ids = res
+  ct_rows, _, ct_w, _, _, _ = cts
+  hidden = ct_rows.shape[-1]
+  # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
+  # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
+  # cotangent of the one rank holding its expert, as the VJP of dispatch does.
+  ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
+  reference = dataclasses.replace(handle, workspace=None)
+  rows = _rows_back_one_sided(ct_rows, handle.send_slot, handle.recv_counts, axis_name=handle.axis_name,
+                              num_experts=handle.num_experts, workspace=handle.workspace)
+  if rows is not None:
+    # The weights' cotangents (top_k floats per row) take the reference path, after the rows by data (XLA:CPU
+    # would otherwise run the two in any order, and a device inside the all_to_all waiting for a peer inside the
+    # one-sided call deadlocks). Column for column the same float32 sums as the single payload below.
+    return rows.astype(st.x_dtype), None, combine(after(ct_w, rows), reference, out_dtype=jnp.float32)
+  # One exchange for rows and weights, on the reference path.
+  back = combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
+  return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
+
+
+_wire.defvjp(_wire_forward, _wire_bwd)
+
+
+def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
+                  num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto",
+                  workspace: Optional[Workspace] = None):
+  """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
+
+  The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
+  `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
+  received rows and weights go back by `a2a.combine` over the dispatch's slots (the rows one-sided when the
+  workspace's combine rows hold them exactly, `Workspace.fits_combine_rows`; else rows and weights in one
+  reference exchange), so no quantization error enters the gradient and no dispatch is recomputed.
+
+  Args:
+    x: [num_tokens, hidden] floating, this shard's tokens (sharded over axis_name's ranks on tokens).
+    topk_ids: [num_tokens, top_k] int32 global expert ids.
+    topk_weights: [num_tokens, top_k] float32.
+    wire_format: one of `WIRE_FORMATS`.
+    num_experts: global expert count, a multiple of the axis size.
+    axis_name: the expert mesh axis (or tuple of axes).
+    dtype: dtype of the decoded rows.
+    impl: passed to the quantization ops and to `a2a.dispatch`.
+    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin).
+
+  Returns:
+    rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
+    recv_topk_ids: [num_ranks, num_tokens, top_k] int32 local ids, -1 for none.
+    recv_topk_weights: [num_ranks, num_tokens, top_k] float32.
+    recv_counts: [num_ranks] int32.
+    handle: the `a2a.DispatchHandle` for `a2a.combine`.
+  """
+  return wire_dispatch_with_codes(x, topk_ids, topk_weights, wire_format=wire_format, num_experts=num_experts,
+                                  axis_name=axis_name, dtype=dtype, impl=impl, workspace=workspace)[:5]
+
+
+def wire_dispatch_with_codes(x, topk_ids, topk_weights, *, wire_format, num_experts, axis_name, dtype, impl,
+                             workspace):
+  """`wire_dispatch`'s five results and, on an FP8 wire, the received (codes, scales) the rows were decoded from
+  (else None)."""
+  if wire_format not in WIRE_FORMATS:
+    raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
+  st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
+                   dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype), workspace=workspace)
+  with jax.named_scope("wire"):
+    return _wire(st, x, topk_ids, topk_weights)
 
 
 # ----------------------------------------------------------------------------------------------------------------

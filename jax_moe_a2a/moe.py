@@ -7,9 +7,10 @@ Per shard, in order (each stage under its own `jax.named_scope`):
    no rank routes or computes a replicated token twice (DESIGN.md §1.4).
 2. ``router``: float32 logits ``x @ router`` and `routing.route` (softmax top-k or DeepSeek-V3 grouped sigmoid).
 3. ``aux``: the load-balance loss and the per-expert load, summed over every axis that holds distinct tokens.
-4. ``wire``: the activations are cast to the wire format (bf16, or E4M3 with one FP32 scale per 1x128 group),
-   dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at the receiver (FP8
-   experts on an FP8 wire compute from the received codes themselves; the decoded rows carry the gradient).
+4. ``wire`` (`a2a.wire_dispatch`): the activations are cast to the wire format (bf16, or E4M3 with one FP32
+   scale per 1x128 group), dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at
+   the receiver (FP8 experts on an FP8 wire compute from the received codes themselves; the decoded rows carry
+   the gradient).
 5. ``experts``: `experts.expert_stage` with this rank's experts (permute, grouped SwiGLU, weighted un-permute).
 6. ``moe_combine``: `a2a.combine` sums each token's weighted expert outputs in float32 (rounded once, to x's
    dtype when no shared experts follow).
@@ -46,7 +47,7 @@ DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
 TP_AXIS = "tp"
 
-WIRE_FORMATS: tuple[str, ...] = (layout.BF16, layout.FP8_BLOCKWISE)
+WIRE_FORMATS = a2a.WIRE_FORMATS
 _COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 AxisNames = Union[str, tuple[str, ...]]
@@ -371,118 +372,6 @@ def _check_params(op: str, params: Any, config: MoEConfig) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The wire: encode, dispatch, decode (straight-through gradient)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _WireStatic:
-  wire_format: str
-  axis_name: Any
-  num_experts: int
-  dtype: Any  # of the decoded rows
-  x_dtype: Any  # of the tokens, and of their gradient
-  impl: str
-  workspace: Optional[Workspace] = None
-
-
-def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
-  with jax.named_scope("wire_encode"):
-    if st.wire_format == layout.FP8_BLOCKWISE:
-      x_q, x_sf = quant.quantize_fp8_blockwise(x, impl=st.impl)
-    else:
-      x_q, x_sf = x.astype(jnp.bfloat16), None
-  res, handle = a2a.dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
-                             x_sf=x_sf, workspace=st.workspace, impl=st.impl)
-  with jax.named_scope("wire_decode"):
-    num_ranks, capacity, hidden = res.recv_x.shape
-    if x_sf is not None:
-      rows = quant.dequantize_fp8_blockwise(res.recv_x.reshape(num_ranks * capacity, hidden),  # one XLA fusion
-                                            res.recv_x_sf.reshape(num_ranks * capacity, -1), dtype=st.dtype)
-      rows = rows.reshape(num_ranks, capacity, hidden)
-    else:
-      rows = res.recv_x.astype(st.dtype)
-  # The FP8 codes and scales the rows were decoded from (no gradient): FP8 experts compute from them directly.
-  codes = None if x_sf is None else (res.recv_x, res.recv_x_sf)
-  out = (rows, res.recv_topk_ids, res.recv_topk_weights, res.recv_counts, handle, codes)
-  return out, (handle, res.recv_topk_ids)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _wire(st, x, topk_ids, topk_weights):
-  return _wire_forward(st, x, topk_ids, topk_weights)[0]
-
-
-def _wire_bwd(st, res, cts):
-  handle, recv_ids = res
-  ct_rows, _, ct_w, _, _, _ = cts
-  hidden = ct_rows.shape[-1]
-  # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
-  # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
-  # cotangent of the one rank holding its expert, as the VJP of dispatch does.
-  ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
-  reference = dataclasses.replace(handle, workspace=None)
-  ws = handle.workspace
-  if ws is not None and ws.fits_combine_rows(ct_rows):
-    # One-sided rows; the weights' cotangents (top_k floats per row) take the reference path, after the rows by
-    # data (XLA:CPU would otherwise run the two in any order, and a device inside the all_to_all waiting for a peer
-    # inside the one-sided call deadlocks). Column for column the same float32 sums as the single payload below.
-    rows = a2a.combine(ct_rows.astype(ws.combine_dtype), handle, out_dtype=jnp.float32)
-    return rows.astype(st.x_dtype), None, a2a.combine(a2a.after(ct_w, rows), reference, out_dtype=jnp.float32)
-  # One exchange for rows and weights, on the reference path.
-  back = a2a.combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
-  return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
-
-
-_wire.defvjp(_wire_forward, _wire_bwd)
-
-
-def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
-                  num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto",
-                  workspace: Optional[Workspace] = None):
-  """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
-
-  The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
-  `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
-  received rows and weights go back by `a2a.combine` over the dispatch's slots (the rows one-sided when the
-  workspace's combine rows hold them exactly, `Workspace.fits_combine_rows`; else rows and weights in one
-  reference exchange), so no quantization error enters the gradient and no dispatch is recomputed.
-
-  Args:
-    x: [num_tokens, hidden] floating, this shard's tokens (sharded over axis_name's ranks on tokens).
-    topk_ids: [num_tokens, top_k] int32 global expert ids.
-    topk_weights: [num_tokens, top_k] float32.
-    wire_format: one of `WIRE_FORMATS`.
-    num_experts: global expert count, a multiple of the axis size.
-    axis_name: the expert mesh axis (or tuple of axes).
-    dtype: dtype of the decoded rows.
-    impl: passed to the quantization ops and to `a2a.dispatch`.
-    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin).
-
-  Returns:
-    rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
-    recv_topk_ids: [num_ranks, num_tokens, top_k] int32 local ids, -1 for none.
-    recv_topk_weights: [num_ranks, num_tokens, top_k] float32.
-    recv_counts: [num_ranks] int32.
-    handle: the `a2a.DispatchHandle` for `a2a.combine`.
-  """
-  return _wire_dispatch_with_codes(x, topk_ids, topk_weights, wire_format=wire_format, num_experts=num_experts,
-                                   axis_name=axis_name, dtype=dtype, impl=impl, workspace=workspace)[:5]
-
-
-def _wire_dispatch_with_codes(x, topk_ids, topk_weights, *, wire_format, num_experts, axis_name, dtype, impl,
-                              workspace):
-  """`wire_dispatch`'s five results and, on an FP8 wire, the received (codes, scales) the rows were decoded from
-  (else None)."""
-  if wire_format not in WIRE_FORMATS:
-    raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
-  st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
-                    dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype), workspace=workspace)
-  with jax.named_scope("wire"):
-    return _wire(st, x, topk_ids, topk_weights)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The layer
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -608,7 +497,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace]):
   if workspace is not None:
     # The statistics' psums before the dispatch; in the backward, theirs after the weights' cotangents came back.
     aux, topk_weights = _ordered(aux, topk_weights)
-  rows, recv_ids, recv_w, _, handle, codes = _wire_dispatch_with_codes(
+  rows, recv_ids, recv_w, _, handle, codes = a2a.wire_dispatch_with_codes(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
   with jax.named_scope("experts"):

@@ -579,7 +579,7 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
 @pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
 @pytest.mark.parametrize("combine_dtype", [jnp.bfloat16, jnp.float32])
 def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype):
-  """moe.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
+  """a2a.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
   gives the twin's cotangents bit for bit, for the same cotangents of every output."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   mesh = _mesh()
@@ -595,7 +595,7 @@ def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype)
   def grads(ws):
     def body(x, ids, weights, ct_rows, ct_w):
       def f(x, weights):
-        rows, _, recv_w, _, _ = moe.wire_dispatch(x, ids, weights, wire_format=wire, num_experts=num_experts,
+        rows, _, recv_w, _, _ = a2a.wire_dispatch(x, ids, weights, wire_format=wire, num_experts=num_experts,
                                                   axis_name=AXIS, dtype=jnp.float32, workspace=ws,
                                                   impl="reference" if ws is None else "ffi")
         return rows, recv_w

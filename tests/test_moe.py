@@ -296,7 +296,7 @@ def _wire_vjps(num_ranks=4, num_tokens=12):
 
   def body(x, ids, w, ct_rows, ct_w):
     def wire(x, w):
-      rows, _, recv_w, _, _ = moe.wire_dispatch(x, ids, w, wire_format="fp8_blockwise", num_experts=EXPERTS,
+      rows, _, recv_w, _, _ = a2a.wire_dispatch(x, ids, w, wire_format="fp8_blockwise", num_experts=EXPERTS,
                                                 axis_name="ep", dtype=jnp.float32)
       return rows, recv_w
 
