@@ -118,7 +118,7 @@ def _for_each_tile(group_sizes, tile, group_fn, tile_fn, carry):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _swiglu_tiled(x, group_sizes, w_gate_up, w_down, compute_dtype, tile):
-  """The grouped SwiGLU MLP, one tile of rows at a time (see `swiglu_mlp_reference`, method "tiled").
+  """The grouped SwiGLU MLP, one tile of rows at a time (see `swiglu_mlp_xla`, method "tiled").
 
   A group's last tile runs past its rows into the next group's; since groups go in ascending order, the next
   group rewrites those rows, and rows past sum(group_sizes) are zeroed at the end. x is padded by one tile so
@@ -204,9 +204,10 @@ def _swiglu_ragged_dot(x, group_sizes, w_gate_up, w_down, compute_dtype):
                                                preferred_element_type=jnp.float32)
 
 
-def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                         compute_dtype=jnp.bfloat16, method: str = "auto") -> jax.Array:
-  """Grouped SwiGLU MLP over rows sorted by expert (pure JAX).
+def swiglu_mlp_xla(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
+                   compute_dtype=jnp.bfloat16, method: str = "auto") -> jax.Array:
+  """Grouped SwiGLU MLP over rows sorted by expert, on XLA's own matmuls in any compute dtype: the expert path of
+  float32 and float16 compute (bfloat16 takes `swiglu_mlp_bf16`'s grouped GEMMs), and their oracle.
 
   Two implementations with the same semantics (float32 accumulation, the activation rounded to
   `compute_dtype` before the down projection):
@@ -231,7 +232,7 @@ def swiglu_mlp_reference(x: jax.Array, group_sizes: jax.Array, weights: ExpertWe
   Returns:
     [num_rows, hidden] float32.
   """
-  op = "swiglu_mlp_reference"
+  op = "swiglu_mlp_xla"
   _check_weights(op, weights, x.shape[-1])
   if method not in METHODS:
     raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -327,7 +328,7 @@ def swiglu_mlp_bf16(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights
   """The grouped SwiGLU MLP in bfloat16 on `grouped_gemm.grouped_gemm_bf16`: gate/up -> SwiGLU -> down.
 
   Operands are rounded to bfloat16 (float32 weights are cast, FP8 weights dequantized), products accumulate in
-  float32, the gate/up output and the activation are rounded to bfloat16 (as `swiglu_mlp_reference` with
+  float32, the gate/up output and the activation are rounded to bfloat16 (as `swiglu_mlp_xla` with
   compute_dtype bfloat16). The gradient (a custom VJP) runs on four more grouped GEMMs: the data gradients read
   the weights in place, the weight gradients contract over each expert's rows in float32 and come back in the
   weights' dtype. Saved for the backward pass: x and the gate/up rows, bfloat16 (``2 * (hidden + 2 * ffn)`` bytes
@@ -562,8 +563,8 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     out_dtype: dtype of the returned payload.
     compute_dtype: matmul operand dtype.
     method: grouped matmul implementation of the `compute_dtype` path: "auto" runs bfloat16 compute on the bf16
-      grouped GEMMs (`swiglu_mlp_bf16`) and other dtypes on `swiglu_mlp_reference`; "ragged_dot" and "tiled"
-      choose `swiglu_mlp_reference`'s method.
+      grouped GEMMs (`swiglu_mlp_bf16`) and other dtypes on `swiglu_mlp_xla`; "ragged_dot" and "tiled"
+      choose `swiglu_mlp_xla`'s method.
     gemm_impl: None for the `compute_dtype` path; "auto", "ffi" or "reference" to run the experts in FP8 with
       `swiglu_mlp_fp8`: FP8 rows (with `recv_x_sf`) are used as they arrived, float rows are quantized 1x128
       (lossless for rows that arrived in fp8_blockwise and were decoded exactly, so both give the same result);
@@ -642,7 +643,7 @@ def _run_mlp(x_sorted, sf_sorted, group_sizes, weights, *, compute_dtype, method
   if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and method == "auto" and x_sorted.shape[-1] % 8 == 0 \
       and weights.w_down.shape[-1] % 8 == 0:
     return swiglu_mlp_bf16(x_sorted, group_sizes, weights, impl=impl)
-  return swiglu_mlp_reference(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
+  return swiglu_mlp_xla(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -172,18 +172,18 @@ def _grouped_wgrad_reference(a: jax.Array, b: jax.Array, group_sizes: jax.Array)
 
 
 @jax.jit
-def _jax_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes):
-  """Pure-JAX twin: dequantize both operands to float32 and multiply at HIGHEST precision."""
-  w = quant._jax_dequantize_fp8_weight(b, b_sf)  # pylint: disable=protected-access  # [G, N, K]
+def grouped_gemm_fp8_reference(a, a_sf, b, b_sf, group_sizes):
+  """Pure-JAX twin of `grouped_gemm_fp8`: both operands dequantized to float32, multiplied at HIGHEST precision."""
+  w = quant.dequantize_fp8_weight_reference(b, b_sf)  # [G, N, K]
   if a.ndim == 3:
     num_groups, rows, k = a.shape
-    x = quant._jax_dequantize_fp8_blockwise(a.reshape(-1, k), a_sf.reshape(-1, k // BLOCK))  # pylint: disable=protected-access
+    x = quant.dequantize_fp8_blockwise_reference(a.reshape(-1, k), a_sf.reshape(-1, k // BLOCK))
     y = jnp.einsum("grk,gnk->grn", x.reshape(num_groups, rows, k), w, precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32)
     _, size = owned_rows(group_sizes, rows, masked=True)
     live = jnp.arange(rows)[None, :] < size[:, None]
     return jnp.where(live[..., None], y, 0.0).astype(jnp.bfloat16)
-  x = quant._jax_dequantize_fp8_blockwise(a, a_sf)  # pylint: disable=protected-access
+  x = quant.dequantize_fp8_blockwise_reference(a, a_sf)
   y = grouped_matmul_reference(x, jnp.swapaxes(w, 1, 2), group_sizes, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
   return y.astype(jnp.bfloat16)
@@ -231,7 +231,7 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
   masked, num_groups, _, n, _ = _check(op, a, a_sf, b, b_sf, group_sizes)
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes, masked=masked, num_groups=num_groups, n=n)
-  return _jax_grouped_gemm_fp8(a, a_sf, b, b_sf, group_sizes)
+  return grouped_gemm_fp8_reference(a, a_sf, b, b_sf, group_sizes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def _bf16_scratch(num_groups: int, mode: int, f32_out: bool = False) -> jax.Shap
 
 
 @functools.partial(jax.jit, static_argnames=("b_layout",))
-def _jax_grouped_gemm_bf16(a, b, group_sizes, *, b_layout):
+def grouped_gemm_bf16_reference(a, b, group_sizes, *, b_layout):
   """Pure-JAX twin of `grouped_gemm_bf16`: float32 products at HIGHEST precision, one bfloat16 rounding."""
   rhs = jnp.swapaxes(b, 1, 2) if b_layout == "nk" else b  # [G, K, N]
   y = grouped_matmul_reference(a, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST,
@@ -288,7 +288,7 @@ def _jax_grouped_gemm_bf16(a, b, group_sizes, *, b_layout):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes, *, out_dtype):
+def grouped_gemm_bf16_wgrad_reference(a, b, group_sizes, *, out_dtype):
   """Pure-JAX twin of `grouped_gemm_bf16_wgrad`: one float32 product per group over its rows."""
   return _grouped_wgrad_reference(a, b, group_sizes).astype(out_dtype)
 
@@ -334,7 +334,7 @@ def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_l
     mode = _MODE[b_layout]
     out = (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), _bf16_scratch(num_groups, mode))
     return _ffi.ffi_call("grouped_gemm_bf16", out, a, b, group_sizes, mode=np.int32(mode))[0]
-  return _jax_grouped_gemm_bf16(a, b, group_sizes, b_layout=b_layout)
+  return grouped_gemm_bf16_reference(a, b, group_sizes, b_layout=b_layout)
 
 
 def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32,
@@ -376,4 +376,4 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
     mode, f32_out = _MODE["wgrad"], out_dtype == jnp.dtype(jnp.float32)
     out = (jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), _bf16_scratch(num_groups, mode, f32_out))
     return _ffi.ffi_call("grouped_gemm_bf16", out, a, b, group_sizes, mode=np.int32(mode))[0]
-  return _jax_grouped_gemm_bf16_wgrad(a, b, group_sizes, out_dtype=out_dtype)
+  return grouped_gemm_bf16_wgrad_reference(a, b, group_sizes, out_dtype=out_dtype)

@@ -685,8 +685,8 @@ def moe_dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
     flat = topk_ids.reshape(-1)  # route only returns valid ids
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.zeros((config.num_experts,), jnp.int32).at[flat].add(1)
-    y_sorted = experts.swiglu_mlp_reference(xs[order // top_k], group_sizes,
-                                            experts.ExpertWeights(w_gate_up, w_down), compute_dtype=f32)
+    y_sorted = experts.swiglu_mlp_xla(xs[order // top_k], group_sizes,
+                                      experts.ExpertWeights(w_gate_up, w_down), compute_dtype=f32)
     y_assign = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_tokens, top_k, config.hidden)
     y = jnp.einsum("tk,tkh->th", topk_weights, y_assign)
     if config.num_shared_experts:

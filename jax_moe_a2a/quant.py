@@ -20,8 +20,8 @@ fixed bit patterns, and the other groups are quantized as if it were not there.
 
 Float32 subnormal inputs are outside the contract: backends may flush them to zero (XLA on CPU does).
 
-Each quantizer has a pure-JAX twin, ``_jax_<op>``, with the same signature and semantics; the public function
-checks its arguments and calls the twin.
+Each quantizer has a pure-JAX twin, ``<op>_reference``, with the same semantics (the CPU path and the oracle of
+the custom calls); the public function checks its arguments and calls the twin or the custom call (``impl=``).
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def check_fp8_blockwise(op: str, x_q: Any, x_sf: Any, *, block_major_k: bool = F
 
 
 @functools.partial(jax.jit, static_argnames=("block_major_k",))
-def _jax_quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8_blockwise_reference(x: jax.Array, *, block_major_k: bool = False) -> tuple[jax.Array, jax.Array]:
   """Pure-JAX twin of `quantize_fp8_blockwise` (same signature and semantics, no argument checks)."""
   m, k = x.shape
   g = x.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
@@ -327,11 +327,11 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
     raise ValueError(f"{op}: x must be [M, K] with K > 0, got shape {tuple(x.shape)}")
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_quantize_fp8_blockwise(x, block_major_k=bool(block_major_k))
-  return _jax_quantize_fp8_blockwise(x, block_major_k=bool(block_major_k))
+  return quantize_fp8_blockwise_reference(x, block_major_k=bool(block_major_k))
 
 
 @functools.partial(jax.jit, static_argnames=("block_major_k", "dtype"))
-def _jax_dequantize_fp8_blockwise(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: bool = False,
+def dequantize_fp8_blockwise_reference(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: bool = False,
                                   dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_fp8_blockwise` (no argument checks)."""
   m, k = x_q.shape
@@ -359,7 +359,7 @@ def dequantize_fp8_blockwise(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: 
   op = "dequantize_fp8_blockwise"
   check_fp8_blockwise(op, x_q, x_sf, block_major_k=block_major_k)
   dtype = _check_out_dtype(op, dtype)
-  return _jax_dequantize_fp8_blockwise(x_q, x_sf, block_major_k=bool(block_major_k), dtype=dtype)
+  return dequantize_fp8_blockwise_reference(x_q, x_sf, block_major_k=bool(block_major_k), dtype=dtype)
 
 
 def to_block_major_k(x_q: jax.Array, x_sf: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -401,7 +401,7 @@ def _pad_nk(w: jax.Array, n: int, k: int) -> jax.Array:
 
 
 @jax.jit
-def _jax_quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8_weight_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Pure-JAX twin of `quantize_fp8_weight` (same signature and semantics, no argument checks)."""
   *batch, n, k = w.shape
   nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
@@ -456,11 +456,11 @@ def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array,
     if impl == "ffi":
       raise ValueError(f"{op}: impl='ffi' on GPUs needs K a multiple of 16 bytes of w, ceil(N/128) <= 65535 and at "
                        f"most 65535 matrices, got shape {tuple(w.shape)} of {jnp.dtype(w.dtype).name}")
-  return _jax_quantize_fp8_weight(w)
+  return quantize_fp8_weight_reference(w)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _jax_dequantize_fp8_weight(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
+def dequantize_fp8_weight_reference(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_fp8_weight` (no argument checks)."""
   *batch, n, k = w_q.shape
   nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
@@ -490,7 +490,7 @@ def dequantize_fp8_weight(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.f
     raise ValueError(f"{op}: w_sf must be [..., ceil(N/128), ceil(K/128)] = {(*batch, nb, kb)} for w_q of shape "
                      f"{tuple(w_q.shape)}, got shape {tuple(w_sf.shape)}")
   dtype = _check_out_dtype(op, dtype)
-  return _jax_dequantize_fp8_weight(w_q, w_sf, dtype=dtype)
+  return dequantize_fp8_weight_reference(w_q, w_sf, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -513,7 +513,7 @@ def _mx_dims(op: str, name: str, x: Any, mx_alignment: Optional[int]) -> tuple[i
 
 
 @functools.partial(jax.jit, static_argnames=("mx_alignment",))
-def _jax_quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+def quantize_mxfp8_reference(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
   """Pure-JAX twin of `quantize_mxfp8` (same signature and semantics, no argument checks)."""
   m, k = x.shape
   cols = layout.dispatch_layout(k, layout.MXFP8, mx_alignment=mx_alignment).scale_cols
@@ -567,11 +567,11 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple
   op = "quantize_mxfp8"
   _check_float_input(op, "x", x)
   _mx_dims(op, "x", x, mx_alignment)
-  return _jax_quantize_mxfp8(x, mx_alignment=mx_alignment)
+  return quantize_mxfp8_reference(x, mx_alignment=mx_alignment)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _jax_dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
+def dequantize_mxfp8_reference(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_mxfp8` (no argument checks; the scale count carries the alignment)."""
   m, k = x_q.shape
   cols = x_sf.shape[1]
@@ -602,7 +602,7 @@ def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[
     raise ValueError(f"{op}: x_sf must be [M, pad(K, mx_alignment) / 32] = {(m, cols)} for x_q of shape "
                      f"{(m, k)} and mx_alignment={mx_alignment}, got shape {tuple(x_sf.shape)}")
   dtype = _check_out_dtype(op, dtype)
-  return _jax_dequantize_mxfp8(x_q, x_sf, dtype=dtype)
+  return dequantize_mxfp8_reference(x_q, x_sf, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -629,7 +629,7 @@ def _e2m1_decode(code: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _jax_nvfp4_global_scale(x: jax.Array) -> jax.Array:
+def nvfp4_global_scale_reference(x: jax.Array) -> jax.Array:
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0), initial=0.0)
   return _true_div(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)), jnp.float32(E4M3_MAX * E2M1_MAX))
@@ -649,15 +649,15 @@ def nvfp4_global_scale(x: jax.Array) -> jax.Array:
   """
   # Type and shape checks
   _check_float_input("nvfp4_global_scale", "x", x)
-  return _jax_nvfp4_global_scale(x)
+  return nvfp4_global_scale_reference(x)
 
 
 @jax.jit
-def _jax_quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
+def quantize_nvfp4_reference(x: jax.Array, *, global_scale: Optional[jax.Array] = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pure-JAX twin of `quantize_nvfp4` (same signature and semantics, no argument checks)."""
   m, k = x.shape
-  gs = _jax_nvfp4_global_scale(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
+  gs = nvfp4_global_scale_reference(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
   g = x.astype(jnp.float32).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
   amax = jnp.max(jnp.abs(g), axis=2)
   bad = jnp.any(~jnp.isfinite(g), axis=2)
@@ -722,11 +722,11 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
   if global_scale is not None:
     global_scale = _check_global_scale(op, global_scale)
     _check_global_scale_value(op, global_scale)
-  return _jax_quantize_nvfp4(x, global_scale=global_scale)
+  return quantize_nvfp4_reference(x, global_scale=global_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _jax_dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
+def dequantize_nvfp4_reference(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
                           dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_nvfp4` (no argument checks)."""
   m, half_k = x_q.shape
@@ -762,7 +762,7 @@ def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *
                      f"got shape {tuple(x_sf.shape)}")
   global_scale = _check_global_scale(op, global_scale)
   dtype = _check_out_dtype(op, dtype)
-  return _jax_dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype)
+  return dequantize_nvfp4_reference(x_q, x_sf, global_scale, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -581,7 +581,6 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
 def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype):
   """a2a.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
   gives the twin's cotangents bit for bit, for the same cotangents of every output."""
-  from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 16, 256, 3
   num_experts = 4 * num_ranks

@@ -178,7 +178,7 @@ def test_tiled_and_ragged_dot_agree_with_gradients(group_sizes):
 
   def run(method):
     def f(x, wt):
-      return experts.swiglu_mlp_reference(x, gs, wt, compute_dtype=jnp.float32, method=method)
+      return experts.swiglu_mlp_xla(x, gs, wt, compute_dtype=jnp.float32, method=method)
     y, vjp = jax.vjp(f, x, weights)
     return (y,) + vjp(ct)
 
@@ -212,7 +212,7 @@ def test_bf16_compute_is_close():
     ("w_down_shape", ValueError, r"expert_stage: w_down must be \[num_local_experts, hidden, ffn\]"),
     ("w_gate_up_hidden", ValueError, r"expert_stage: w_gate_up must be \[num_local_experts, 2 \* ffn, hidden=256\]"),
     ("fp8_rows_without_scales", ValueError, r"expert_stage: float8_e4m3fn recv_x needs recv_x_sf"),
-    ("method", ValueError, r"swiglu_mlp_reference: method must be one of auto, ragged_dot, tiled, got 'cutlass'"),
+    ("method", ValueError, r"swiglu_mlp_xla: method must be one of auto, ragged_dot, tiled, got 'cutlass'"),
 ])
 def test_errors(case, error, match):
   x, ids, w = _layout(5)
@@ -300,10 +300,10 @@ def test_swiglu_mlp_bf16_matches_float32(impl):
     return lambda x, gu, dn: jnp.sum(fn(x, experts.ExpertWeights(gu, dn)).astype(jnp.float32) * ct)
 
   bf16 = loss(lambda x, w: experts.swiglu_mlp_bf16(x, sizes, w, impl=impl))
-  f32 = loss(lambda x, w: experts.swiglu_mlp_reference(x, sizes, w, compute_dtype=jnp.float32, method="tiled"))
+  f32 = loss(lambda x, w: experts.swiglu_mlp_xla(x, sizes, w, compute_dtype=jnp.float32, method="tiled"))
   y = experts.swiglu_mlp_bf16(x, sizes, weights, impl=impl)
   assert y.dtype == jnp.bfloat16 and not np.any(np.asarray(y, np.float32)[140:])
-  ref = experts.swiglu_mlp_reference(x, sizes, weights, compute_dtype=jnp.float32, method="tiled")
+  ref = experts.swiglu_mlp_xla(x, sizes, weights, compute_dtype=jnp.float32, method="tiled")
   assert calc_diff(np.asarray(y, np.float32), ref) < 1e-4
   args = (x, weights.w_gate_up, weights.w_down)
   got = jax.jit(jax.grad(bf16, argnums=(0, 1, 2)))(*args)

@@ -391,9 +391,9 @@ def _owner(sizes, rows):
 
 def _mlp(path):
   """fn(x, group_sizes, weights) of one path of the expert MLP."""
-  if path.startswith("reference_"):  # swiglu_mlp_reference with this method
-    method = path[len("reference_"):]
-    return lambda x, gs, w: experts.swiglu_mlp_reference(x, gs, w, compute_dtype=jnp.float32, method=method)
+  if path.startswith("xla_"):  # swiglu_mlp_xla with this method
+    method = path[len("xla_"):]
+    return lambda x, gs, w: experts.swiglu_mlp_xla(x, gs, w, compute_dtype=jnp.float32, method=method)
   kind, impl = path.rsplit("_", 1)
   if kind == "bf16":
     return lambda x, gs, w: experts.swiglu_mlp_bf16(x, gs, w, impl=impl)
@@ -406,7 +406,7 @@ def _mlp(path):
   return masked
 
 
-_MLP_PATHS = ["reference_tiled", "reference_ragged_dot", "bf16_ffi", "bf16_reference", "fp8_ffi", "fp8_reference",
+_MLP_PATHS = ["xla_tiled", "xla_ragged_dot", "bf16_ffi", "bf16_reference", "fp8_ffi", "fp8_reference",
               "fp8_masked_ffi", "fp8_masked_reference"]
 
 

@@ -28,7 +28,7 @@ def _data(seed, rows=200, sizes=(60, 0, 1, 139)):
 
 
 def _f32_mlp(x, sizes, weights):
-  return experts.swiglu_mlp_reference(x, sizes, weights, compute_dtype=jnp.float32, method="tiled")
+  return experts.swiglu_mlp_xla(x, sizes, weights, compute_dtype=jnp.float32, method="tiled")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
