@@ -96,19 +96,22 @@ class MoE(nnx.Module):
     y, aux = layer(x)   # x [num_tokens, hidden], sharded P(config.token_axes, None)
   """
 
-  def __init__(self, *, config: moe.MoEConfig, mesh: Mesh, rngs: nnx.Rngs, workspace: WorkspaceArg = "auto"):
+  def __init__(self, *, config: moe.MoEConfig, rngs: nnx.Rngs, mesh: Optional[Mesh] = None,
+               workspace: WorkspaceArg = "auto"):
     """Creates the parameters with `moe.init_params` on `mesh`.
 
     Args:
       config: the layer (a `moe.MoEConfig`).
-      mesh: the mesh the layer runs on; must hold every axis the config names.
       rngs: an `nnx.Rngs` with a ``params`` stream.
+      mesh: the mesh the layer runs on; must hold every axis the config names. None: the mesh set with
+        ``jax.set_mesh`` when the layer is created.
       workspace: ``"auto"``, ``"on"``, ``"off"``/None or a `Workspace`: how the exchange runs (module
         docstring).
     """
     if not isinstance(config, moe.MoEConfig):
       raise TypeError(f"MoE: config must be a moe.MoEConfig, got {type(config).__name__}")
     _check_workspace_arg("MoE", workspace)
+    mesh = moe.resolve_mesh("MoE", mesh)
     self.config = config
     self.mesh = mesh
     self.workspace = workspace
@@ -145,13 +148,13 @@ class LinenMoE(nn.Module):
 
   Attributes:
     config: the layer (a `moe.MoEConfig`).
-    mesh: the mesh the layer runs on.
+    mesh: the mesh the layer runs on; None: the mesh set with ``jax.set_mesh`` when the layer is called.
     workspace: ``"auto"``, ``"on"``, ``"off"``/None or a `Workspace`: how the exchange runs (module
       docstring).
   """
 
   config: moe.MoEConfig
-  mesh: Mesh
+  mesh: Optional[Mesh] = None
   workspace: Any = "auto"
 
   @nn.compact
@@ -160,11 +163,12 @@ class LinenMoE(nn.Module):
     if not isinstance(self.config, moe.MoEConfig):
       raise TypeError(f"LinenMoE: config must be a moe.MoEConfig, got {type(self.config).__name__}")
     _check_workspace_arg("LinenMoE", self.workspace)
+    mesh = moe.resolve_mesh("LinenMoE", self.mesh)
     specs = moe.param_specs(self.config)
     shapes = moe.param_shapes(self.config)
     values: Optional[dict[str, Any]] = None
     if self.is_initializing():
-      values = moe.init_params(self.make_rng("params"), self.config, self.mesh)
+      values = moe.init_params(self.make_rng("params"), self.config, mesh)
 
     def init(_, name):
       # Outside init, Linen still evaluates the initializer abstractly to check the stored shape.
@@ -172,6 +176,6 @@ class LinenMoE(nn.Module):
 
     params = {}
     for name, spec in specs.items():
-      params[name] = self.param(name, nn.with_partitioning(init, tuple(spec), mesh=self.mesh), name)
-    return moe.moe_apply(params, x, self.config, self.mesh,
-                         workspace=_layer_workspace(self.workspace, self.config, self.mesh, x))
+      params[name] = self.param(name, nn.with_partitioning(init, tuple(spec), mesh=mesh), name)
+    return moe.moe_apply(params, x, self.config, mesh,
+                         workspace=_layer_workspace(self.workspace, self.config, mesh, x))

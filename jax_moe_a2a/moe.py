@@ -17,6 +17,14 @@ Per shard, in order (each stage under its own `jax.named_scope`):
 7. ``shared_experts``: the shared experts, run on the same (sliced) tokens and added.
 8. ``sequence_parallel_gather``: the slices are all-gathered over `tp_axis`.
 
+Tensors the backward pass reads carry `jax.ad_checkpoint.checkpoint_name`s, so a remat policy (e.g.
+``jax.checkpoint_policies.save_only_these_names``) can keep or recompute them: ``router_logits`` (float32
+[T, num_experts]), ``dispatched_rows`` (the decoded received rows), ``expert_rows`` (the rows sorted by expert,
+bf16 experts) and ``expert_gate_up`` (the gate/up GEMM output, bf16 and FP8 experts).
+
+The mesh is an argument of `init_params`, `make_workspace` and `moe_apply`, or, when left out, the one set with
+``jax.set_mesh``.
+
 Without sequence parallelism every tp rank routes and dispatches its full replicated copy of the tokens: the
 baseline that sequence parallelism must equal up to float rounding.
 
@@ -37,6 +45,7 @@ from typing import Any, Mapping, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moe_a2a import _ffi, a2a, experts, layout, quant, routing
@@ -221,6 +230,15 @@ class MoEConfig:
     return self.token_axes + ((self.tp_axis,) if self.sequence_parallel else ())
 
 
+def resolve_mesh(op: str, mesh: Optional[Mesh]) -> Mesh:
+  """`mesh`, or when None the mesh set with ``jax.set_mesh`` (a ValueError when neither is there)."""
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if not isinstance(mesh, Mesh) or mesh.empty:
+      raise ValueError(f"{op}: mesh must be given, or set with jax.set_mesh(mesh), got neither")
+  return mesh
+
+
 def _mesh_axes(op: str, config: MoEConfig, mesh: Mesh) -> dict[str, int]:
   """Checks that every axis the config names exists; returns the mesh's axis sizes."""
   if not isinstance(mesh, Mesh):
@@ -324,7 +342,7 @@ def _init_values(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
   return out
 
 
-def init_params(key: jax.Array, config: MoEConfig, mesh: Mesh) -> dict[str, jax.Array]:
+def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[Mesh] = None) -> dict[str, jax.Array]:
   """Random parameters of `config`'s layer, created in place with their shardings (`param_specs`) on `mesh`.
 
   Weights are normal with standard deviation 1/sqrt(fan_in); the DeepSeek correction bias starts at 0. With
@@ -333,7 +351,7 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Mesh) -> dict[str, jax.
   Args:
     key: a PRNG key.
     config: the layer.
-    mesh: the mesh `moe_apply` will run on.
+    mesh: the mesh `moe_apply` will run on; None: the mesh set with ``jax.set_mesh``.
 
   Returns:
     A dict of arrays, shapes and dtypes as `param_shapes`, each with ``NamedSharding(mesh, param_specs[name])``.
@@ -344,6 +362,7 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Mesh) -> dict[str, jax.
   op = "init_params"
   if not isinstance(config, MoEConfig):
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  mesh = resolve_mesh(op, mesh)
   _mesh_axes(op, config, mesh)
   shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
   return jax.jit(_init_values, static_argnums=1, out_shardings=shardings)(key, config)
@@ -386,8 +405,8 @@ def _router_probs(logits: jax.Array, config: MoEConfig) -> jax.Array:
 
 def _route(params, x, config: MoEConfig, axis_name):
   with jax.named_scope("router"):
-    logits = jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    logits = checkpoint_name(jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32),
+                                     precision=jax.lax.Precision.HIGHEST), "router_logits")
     topk_weights, topk_ids = routing.route(logits, config.router_config, params.get("router_bias"))
   with jax.named_scope("aux"):
     aux = {
@@ -500,6 +519,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace]):
   rows, recv_ids, recv_w, _, handle, codes = a2a.wire_dispatch_with_codes(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
+  rows = checkpoint_name(rows, "dispatched_rows")
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), wire_codes=codes,
                                       out_dtype=dtype, compute_dtype=dtype, gemm_impl=config.gemm_impl,
@@ -583,7 +603,7 @@ def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: Mesh) -> Any:
   return jax.sharding.reshard(x, NamedSharding(mesh, P(*want)))
 
 
-def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Mesh, *,
+def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Optional[Mesh] = None, *,
               workspace: Optional[Workspace] = None,
               gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
@@ -598,7 +618,7 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       `config.token_axes` (``P(token_axes, None)``), replicated over the other axes (tp_axis in particular).
       An x sharded otherwise (or not committed to the mesh) is resharded to that, also over Explicit mesh axes.
     config: the layer.
-    mesh: a mesh holding every axis the config names.
+    mesh: a mesh holding every axis the config names; None: the mesh set with ``jax.set_mesh``.
     workspace: a `Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
       of the same devices in another order, is refused: `Workspace.check_mesh`): dispatch and combine then run
       as one-sided custom calls. None: the twin throughout.
@@ -621,21 +641,24 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
   if gemm_impl is not None:
     config = dataclasses.replace(config, gemm_impl=gemm_impl)
+  mesh = resolve_mesh(op, mesh)
   sizes = _mesh_axes(op, config, mesh)
   _check_params(op, params, config)
   _check_x(op, x, config, sizes)
   return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace)
 
 
-def make_workspace(config: MoEConfig, mesh: Mesh, num_tokens: int, *, timeout_s: float = 10.0,
+def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, timeout_s: float = 10.0,
                    training: bool = False) -> Workspace:
   """The `Workspace` that `moe_apply(..., workspace=...)` needs for `num_tokens` global tokens.
 
   Sized for one shard's dispatch: num_tokens over the token sharding (and over tp under sequence parallelism),
   the wire format and top_k of the config, and expert outputs in the compute dtype; with ``training``, room for
   the rows of combine's VJP too, so that it is one-sided whatever the wire format (`Workspace`).
-  Close it when done.
+  mesh None: the mesh set with ``jax.set_mesh``. Close it when done.
   """
+  mesh = resolve_mesh("make_workspace", mesh)
+  _mesh_axes("make_workspace", config, mesh)
   sizes = dict(mesh.shape)
   shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))
   capacity = num_tokens // shards

@@ -165,3 +165,25 @@ def test_modules_reject_an_unknown_workspace_mode():
     flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(0), workspace="yes")
   with pytest.raises(ValueError, match=r"LinenMoE: workspace must be one of .* got 1"):
     flax_moe.LinenMoE(config=config, mesh=mesh, workspace=1).init(jax.random.key(0), x)
+
+
+def test_layers_take_the_mesh_set_with_jax_set_mesh():
+  """MoE and LinenMoE without a mesh use the one set with jax.set_mesh: the same parameters and output as with it;
+  with neither, a clear error."""
+  config, mesh, x = _setup()
+  want = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  linen_want = flax_moe.LinenMoE(config=config, mesh=mesh)
+  variables = linen_want.init(jax.random.key(0), x)
+  with jax.set_mesh(mesh):
+    got = flax_moe.MoE(config=config, rngs=nnx.Rngs(params=0))
+    y = got(x)[0]
+    linen_got = flax_moe.LinenMoE(config=config)
+    got_variables = linen_got.init(jax.random.key(0), x)
+    y_linen = linen_got.apply(got_variables, x)[0]
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want(x)[0]))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_variables, variables)
+  np.testing.assert_array_equal(np.asarray(y_linen), np.asarray(linen_want.apply(variables, x)[0]))
+  with pytest.raises(ValueError, match=r"MoE: mesh must be given, or set with jax.set_mesh\(mesh\), got neither"):
+    flax_moe.MoE(config=config, rngs=nnx.Rngs(params=0))
+  with pytest.raises(ValueError, match=r"LinenMoE: mesh must be given, or set with jax.set_mesh"):
+    flax_moe.LinenMoE(config=config).init(jax.random.key(0), x)

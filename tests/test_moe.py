@@ -479,3 +479,55 @@ def test_moe_apply_rejects_a_non_config():
   mesh = _mesh((2, 4), ("data", "expert"))
   with pytest.raises(TypeError, match="moe_apply: config must be a MoEConfig, got dict"):
     moe.moe_apply({}, jnp.zeros((8, HIDDEN)), {"num_experts": 16}, mesh)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The mesh from jax.set_mesh; names for remat policies
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_the_mesh_can_come_from_jax_set_mesh():
+  """init_params, make_workspace and moe_apply without a mesh take the one set with jax.set_mesh: the same bits as
+  passing it."""
+  config = _config()
+  mesh = _mesh((2, 4), ("data", "expert"))
+  params, x, _ = _inputs(config, mesh)
+  want = moe.moe_apply(params, x, config, mesh)
+  with jax.set_mesh(mesh):
+    got = moe.moe_apply(params, x, config)
+    drawn = moe.init_params(jax.random.key(3), config)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  for name, value in moe.init_params(jax.random.key(3), config, mesh).items():
+    np.testing.assert_array_equal(np.asarray(drawn[name]), np.asarray(value))
+    assert drawn[name].sharding == value.sharding
+
+
+@pytest.mark.parametrize("fn", ["moe_apply", "init_params", "make_workspace"])
+def test_no_mesh_given_or_set_is_refused(fn):
+  config = _config()
+  call = {"moe_apply": lambda: moe.moe_apply({}, jnp.zeros((8, HIDDEN)), config),
+          "init_params": lambda: moe.init_params(jax.random.key(0), config),
+          "make_workspace": lambda: moe.make_workspace(config, None, 64)}[fn]
+  with pytest.raises(ValueError, match=rf"{fn}: mesh must be given, or set with jax.set_mesh\(mesh\), got neither"):
+    call()
+
+
+@pytest.mark.parametrize("path", ["f32", "bf16"])
+def test_tensors_the_backward_needs_carry_checkpoint_names(path):
+  """router_logits, dispatched_rows, expert_rows (bf16 experts) and expert_gate_up are named in the program, so a
+  remat policy such as jax.checkpoint_policies.save_only_these_names can keep or drop them; and a layer under
+  jax.checkpoint with that policy gives the same gradients."""
+  dtype = jnp.float32 if path == "f32" else jnp.bfloat16
+  config = _config(dtype=dtype)
+  mesh = _mesh((1, 2), ("data", "expert"))
+  params, x, ct = _inputs(config, mesh, num_tokens=16)
+  names = ["router_logits", "dispatched_rows"] + (["expert_rows", "expert_gate_up"] if path == "bf16" else [])
+  text = str(jax.make_jaxpr(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x))
+  for name in names:
+    assert re.search(rf"name={name}\b", text), f"no checkpoint_name {name!r} in the layer's program"
+  plain = _value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x, ct)
+  policy = jax.checkpoint_policies.save_only_these_names(*names)
+  remat = _value_and_grads(jax.checkpoint(lambda p, x: moe.moe_apply(p, x, config, mesh), policy=policy))(
+      params, x, ct)
+  for name in plain[2]:
+    np.testing.assert_array_equal(np.asarray(remat[2][name]), np.asarray(plain[2][name]))
