@@ -40,24 +40,6 @@ namespace {
 constexpr char kDispatchOp[] = "jax_moe_a2a_dispatch";
 constexpr char kCombineOp[] = "jax_moe_a2a_combine";
 
-// The attributes of a call (a2a.Workspace.attrs), decoded by name at the end of this file; members in that
-// decoding's order. Offsets are workspace byte offsets of buffer 0 (buffer b adds b * buffer_stride).
-struct DispatchAttrs {
-  int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
-  int64_t site;  // the call site: a trace-time id, the same in every device's program (CPU meetings)
-  int64_t num_experts;
-  int64_t off_x, off_x_sf, off_ids, off_weights, off_counts, off_ready;
-  int64_t off_ll;    // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, ll_row_bytes per row
-  int64_t off_scan;  // the sender blocks' counts: [kScanBlocks, num_ranks] uint64 (GPU kernels)
-  int64_t ll_tokens, ll_row_bytes;
-};
-
-struct CombineAttrs {
-  int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
-  int64_t site;
-  int64_t off_combine, off_ready;
-};
-
 // ---------------------------------------------------------------------------------------------------------------
 // Attribute checks (shared by both platforms), before any arithmetic on the attributes
 // ---------------------------------------------------------------------------------------------------------------
@@ -485,23 +467,6 @@ uint32_t Signature16(const std::string& s) {
   return (h ^ (h >> 16)) & 0xFFFFu;
 }
 
-// Makes `device` current for the launch and restores the previous device afterwards.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
-    device_ = device;
-  }
-  ~ScopedDevice() {
-    if (previous_ != device_ && previous_ >= 0) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
-  int device_ = -1;
-};
-
 PeerBases Peers(const Workspace& ws, int group) {
   PeerBases peers{};
   for (int r = 0; r < ws.num_ranks; ++r) peers.base[r] = ws.base[group][r];
@@ -523,18 +488,18 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     return e;
   if (g.num_tokens == 0) {  // nothing to move on any rank (shapes are static): no counts to exchange either
     ScopedDevice scoped(device);
+    JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(scoped.error());
     JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(recv_counts->typed_data(), 0, g.num_ranks * 4, stream));
     return ffi::Error::Success();
   }
   Workspace& ws = *site.ws;
   DispatchParams p{};
+  p.attrs = g;  // the decoded attributes, as checked
   p.peers = Peers(ws, site.group);
   p.me = site.rank;
   p.num_ranks = static_cast<int>(g.num_ranks);
-  p.capacity = g.capacity;
   p.num_tokens = g.num_tokens;
   p.top_k = g.top_k;
-  p.num_experts = g.num_experts;
   p.x_row = g.x_row;
   p.sf_row = g.sf_row;
   p.x = static_cast<const uint8_t*>(x.untyped_data());
@@ -547,23 +512,11 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.recv_weights = recv_weights->typed_data();
   p.recv_counts = recv_counts->typed_data();
   p.send_slot = send_slot->typed_data();
-  p.off_x = g.off_x;
-  p.off_sf = g.off_x_sf;
-  p.off_ids = g.off_ids;
-  p.off_weights = g.off_weights;
-  p.off_counts = g.off_counts;
-  p.off_ready = g.off_ready;
-  p.off_ll = g.off_ll;
-  p.off_scan = g.off_scan;
-  p.ll_tokens = g.ll_tokens;
-  p.ll_row = g.ll_row_bytes;
-  p.buffer_stride = g.buffer_stride;
-  p.off_flags = g.off_flags;
-  p.off_sync = g.off_sync;
   p.timeout_ns = ws.timeout.count();
   p.signature = Signature16(DispatchSignature(g));
   p.error = ws.cuda_error_dev[device];
   ScopedDevice scoped(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(scoped.error());
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchDispatch(stream, ws.cuda_num_sms[device], p));
   return ffi::Error::Success();
 }
@@ -579,10 +532,10 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
   if (g.num_tokens == 0) return ffi::Error::Success();
   Workspace& ws = *site.ws;
   CombineParams p{};
+  p.attrs = g;  // the decoded attributes, as checked
   p.peers = Peers(ws, site.group);
   p.me = site.rank;
   p.num_ranks = static_cast<int>(g.num_ranks);
-  p.capacity = g.capacity;
   p.num_tokens = g.num_tokens;
   p.hidden = g.hidden;
   p.in_bytes = g.in_bytes;
@@ -591,15 +544,11 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
   p.recv_counts = recv_counts.typed_data();
   p.send_slot = send_slot.typed_data();
   p.out = static_cast<uint8_t*>(out->untyped_data());
-  p.off_combine = g.off_combine;
-  p.off_ready = g.off_ready;
-  p.buffer_stride = g.buffer_stride;
-  p.off_flags = g.off_flags;
-  p.off_sync = g.off_sync;
   p.timeout_ns = ws.timeout.count();
   p.signature = Signature16(CombineSignature(g));
   p.error = ws.cuda_error_dev[device];
   ScopedDevice scoped(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(scoped.error());
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchCombine(stream, ws.cuda_num_sms[device], p));
   return ffi::Error::Success();
 }

@@ -18,7 +18,7 @@
 //     source's op flag and count word, then each warp polls the ready words of 32 of its (source, slot, piece) items
 //     at a time and copies whichever pieces have landed to the outputs, two at a time (with a first piece's scales,
 //     ids and weights); slots past a source's count are padded.
-//   - Small dispatch calls (p.ll_tokens, layout.LL_MAX_TOKENS) send peers their rows in LL form instead: every
+//   - Small dispatch calls (p.attrs.ll_tokens, layout.LL_MAX_TOKENS) send peers their rows in LL form instead: every
 //     4-byte word with the epoch in one 8-byte unit, so neither a fence nor a ready word stands between a store
 //     and its use; twice the bytes on the wire, which pays up to ~64-96 tokens on two H200s. Each receive warp
 //     polls the units of its (source, slot, piece) items until they carry its epoch.
@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "a2a_device.cuh"
 #include "a2a_kernels.cuh"
 
 namespace jax_moe_a2a {
@@ -58,47 +59,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kDispatch = 0;
 constexpr int kCombine = 1;
 
-__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreRelaxedSys(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void StoreRelaxedSys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t LoadRelaxedGpu(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreRelaxedGpu(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void FenceSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-__device__ __forceinline__ int64_t GlobalTimerNs() {
-  int64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// ---------------------------------------------------------------------------------------------------------------
+// The protocol: workspace regions, failures, waits, epochs (shared by both ops)
+// ---------------------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint64_t* Sync(uint8_t* base, int64_t off_sync, int op) {
   return reinterpret_cast<uint64_t*>(base + off_sync) + op * kSyncWords;
@@ -115,43 +78,6 @@ __device__ __forceinline__ uint64_t* Flags(uint8_t* base, int64_t off_flags, int
 // Ready words of a buffer's receive slots: [source rank, capacity, pieces] uint32.
 __device__ __forceinline__ uint32_t* Ready(uint8_t* region, int64_t off_ready) {
   return reinterpret_cast<uint32_t*>(region + off_ready);
-}
-
-// Copies `bytes` from src to dst with the 32 lanes of a warp, 16 bytes at a time when alignment allows.
-__device__ __forceinline__ void WarpCopy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                      static_cast<uintptr_t>(bytes);
-  if ((a & 15) == 0) {
-    // kCopyUnroll independent 16-byte loads in flight per lane before their stores.
-    constexpr int kCopyUnroll = 4;
-    for (int64_t i = lane * 16; i < bytes; i += 32 * 16 * kCopyUnroll) {
-      uint4 v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int64_t o = i + u * 32 * 16;
-        if (o < bytes) v[u] = *reinterpret_cast<const uint4*>(src + o);
-      }
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int64_t o = i + u * 32 * 16;
-        if (o < bytes) *reinterpret_cast<uint4*>(dst + o) = v[u];
-      }
-    }
-  } else if ((a & 3) == 0) {
-    for (int64_t i = lane * 4; i < bytes; i += 32 * 4)
-      *reinterpret_cast<uint32_t*>(dst + i) = *reinterpret_cast<const uint32_t*>(src + i);
-  } else {
-    for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
-  }
-}
-
-__device__ __forceinline__ void WarpZero(uint8_t* dst, int64_t bytes, int lane) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes);
-  if ((a & 15) == 0) {
-    for (int64_t i = lane * 16; i < bytes; i += 32 * 16) *reinterpret_cast<uint4*>(dst + i) = make_uint4(0, 0, 0, 0);
-  } else {
-    for (int64_t i = lane; i < bytes; i += 32) dst[i] = 0;
-  }
 }
 
 // Records the first failure of this device: in the device-local abort word, which every waiter polls, and then in
@@ -262,8 +188,8 @@ struct Routing {
 };
 
 __device__ __forceinline__ Routing RoutingOf(const DispatchParams& p) {
-  return {p.ids, static_cast<int>(p.top_k), static_cast<int>(p.num_experts), p.num_ranks,
-          static_cast<int>(p.num_experts / p.num_ranks)};
+  return {p.ids, static_cast<int>(p.top_k), static_cast<int>(p.attrs.num_experts), p.num_ranks,
+          static_cast<int>(p.attrs.num_experts / p.num_ranks)};
 }
 
 // Bit r of the result: token t < num_tokens has a valid expert on rank r. The row's ids are loaded before any is
@@ -405,7 +331,7 @@ struct RowMeta {
   // The row as rank r (of `local` experts each) receives it: ids of other ranks' experts -1, their weights 0.
   __device__ RowMeta ForRank(const DispatchParams& p, int r, int local) const {
     RowMeta m = *this;
-    m.id = LocalExpert(id, r, local, static_cast<int>(p.num_experts));
+    m.id = LocalExpert(id, r, local, static_cast<int>(p.attrs.num_experts));
     m.weight = m.id < 0 ? 0.0f : weight;
     return m;
   }
@@ -416,10 +342,10 @@ struct RowMeta {
 // atomic each), so a receiver that reads a unit of its own epoch has the word: no fence, no ready word. Every rank
 // decides alike from the call's shapes and the workspace: the senders' choice is the receivers' format. The handler
 // admits ll_tokens > 0 only for rows that take the form (x whole 16-byte vectors, scales whole 4-byte words).
-__device__ __forceinline__ bool UsesLL(const DispatchParams& p) { return p.num_tokens <= p.ll_tokens; }
+__device__ __forceinline__ bool UsesLL(const DispatchParams& p) { return p.num_tokens <= p.attrs.ll_tokens; }
 
 __device__ __forceinline__ uint64_t* LLRow(const DispatchParams& p, uint8_t* region, int64_t source, int64_t slot) {
-  return reinterpret_cast<uint64_t*>(region + p.off_ll + (source * p.ll_tokens + slot) * p.ll_row);
+  return reinterpret_cast<uint64_t*>(region + p.attrs.off_ll + (source * p.attrs.ll_tokens + slot) * p.attrs.ll_row_bytes);
 }
 
 __device__ __forceinline__ void StoreUnits(uint64_t* at, uint4 v, uint32_t e) {
@@ -447,7 +373,7 @@ __device__ __forceinline__ uint32_t MetaWord(const DispatchParams& p, int64_t t,
   const int64_t sf_words = p.sf_row / 4;
   if (k < sf_words) return reinterpret_cast<const uint32_t*>(p.x_sf + t * p.sf_row)[k];
   k -= sf_words;
-  const int32_t id = LocalExpert(p.ids[t * p.top_k + k % p.top_k], r, local, static_cast<int>(p.num_experts));
+  const int32_t id = LocalExpert(p.ids[t * p.top_k + k % p.top_k], r, local, static_cast<int>(p.attrs.num_experts));
   if (k < p.top_k) return static_cast<uint32_t>(id);
   return id < 0 ? 0u : __float_as_uint(p.weights[t * p.top_k + k - p.top_k]);
 }
@@ -513,7 +439,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
     return slots_shared ? own_slots + (t - begin) * p.num_ranks : p.send_slot + t * p.num_ranks;
   };
   if (blockIdx.x == 0 && threadIdx.x < p.num_ranks) {
-    StoreRelaxedSys(&Flags(p.peers.base[threadIdx.x], p.off_flags, kDispatch, p.num_ranks)[p.me],
+    StoreRelaxedSys(&Flags(p.peers.base[threadIdx.x], p.attrs.off_flags, kDispatch, p.num_ranks)[p.me],
                     (e << 16) | p.signature);
   }
   if (threadIdx.x < kMaxRanks) base[threadIdx.x] = own_counts[threadIdx.x] = 0;
@@ -525,7 +451,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
   if (scan) {
     CountDestinations(routing, begin, end, begin, end, own_counts, own_masks);
     __syncthreads();
-    AddEarlierBlocks(reinterpret_cast<uint64_t*>(p.peers.base[p.me] + p.off_scan), p.num_ranks, e, own_counts, base);
+    AddEarlierBlocks(reinterpret_cast<uint64_t*>(p.peers.base[p.me] + p.attrs.off_scan), p.num_ranks, e, own_counts, base);
   } else if (counted) {
     CountDestinations(routing, 0, begin, begin, end, base, own_masks);
   }
@@ -552,7 +478,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
   }
   __syncthreads();  // the slots of the range are visible to the whole block from here on
   if (begin < end && end == p.num_tokens && threadIdx.x < p.num_ranks) {
-    StoreRelaxedSys(reinterpret_cast<uint64_t*>(p.peers.base[threadIdx.x] + buf + p.off_counts) + p.me,
+    StoreRelaxedSys(reinterpret_cast<uint64_t*>(p.peers.base[threadIdx.x] + buf + p.attrs.off_counts) + p.me,
                     CountWord(e, base[threadIdx.x]));
   }
   // An item is `group` pieces of a token: its whole row once the range has a row for every warp, else two pieces where
@@ -574,8 +500,8 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
       meta.Load(p, p.x_sf + t * p.sf_row, p.ids + t * p.top_k, p.weights + t * p.top_k, lane);
     }
     // Where token t's row goes on rank r: the outputs for this rank, the receive region for a peer.
-    auto row_of = [&](int r) { return r == p.me ? p.me * p.num_tokens + slots[r] : p.me * p.capacity + slots[r]; };
-    auto x_of = [&](int r) { return r == p.me ? p.recv_x : p.peers.base[r] + buf + p.off_x; };
+    auto row_of = [&](int r) { return r == p.me ? p.me * p.num_tokens + slots[r] : p.me * p.attrs.capacity + slots[r]; };
+    auto x_of = [&](int r) { return r == p.me ? p.recv_x : p.peers.base[r] + buf + p.attrs.off_x; };
     for (int64_t q = first; q < first + group; q += kSendInFlight) {
       if (vectors) {
         // Up to kSendInFlight pieces are loaded once, then stored to every destination.
@@ -638,9 +564,9 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
         }
         uint8_t* dst = p.peers.base[r] + buf;
         const int64_t row = row_of(r);
-        uint8_t* dst_sf = self ? p.recv_sf : dst + p.off_sf;
-        auto* dst_ids = self ? p.recv_ids : reinterpret_cast<int32_t*>(dst + p.off_ids);
-        auto* dst_w = self ? p.recv_weights : reinterpret_cast<float*>(dst + p.off_weights);
+        uint8_t* dst_sf = self ? p.recv_sf : dst + p.attrs.off_x_sf;
+        auto* dst_ids = self ? p.recv_ids : reinterpret_cast<int32_t*>(dst + p.attrs.off_ids);
+        auto* dst_w = self ? p.recv_weights : reinterpret_cast<float*>(dst + p.attrs.off_weights);
         if (meta_in_lanes) {
           meta.ForRank(p, r, routing.local)
               .Store(p, dst_sf + row * p.sf_row, dst_ids + row * p.top_k, dst_w + row * p.top_k, lane);
@@ -648,7 +574,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
         }
         WarpCopy(dst_sf + row * p.sf_row, p.x_sf + t * p.sf_row, p.sf_row, lane);
         for (int64_t k = lane; k < p.top_k; k += 32) {
-          const int32_t id = LocalExpert(p.ids[t * p.top_k + k], r, routing.local, static_cast<int>(p.num_experts));
+          const int32_t id = LocalExpert(p.ids[t * p.top_k + k], r, routing.local, static_cast<int>(p.attrs.num_experts));
           dst_ids[row * p.top_k + k] = id;
           dst_w[row * p.top_k + k] = id < 0 ? 0.0f : p.weights[t * p.top_k + k];
         }
@@ -660,8 +586,8 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
         const int32_t* to = slots_of(token);
         for (int r = 0; r < p.num_ranks; ++r) {
           if (to[r] < 0 || r == p.me) continue;
-          uint32_t* ready = Ready(p.peers.base[r] + buf, p.off_ready);
-          StoreRelaxedSys(&ready[(p.me * p.capacity + to[r]) * pieces + piece], static_cast<uint32_t>(e));
+          uint32_t* ready = Ready(p.peers.base[r] + buf, p.attrs.off_ready);
+          StoreRelaxedSys(&ready[(p.me * p.attrs.capacity + to[r]) * pieces + piece], static_cast<uint32_t>(e));
         }
       });
     }
@@ -744,19 +670,19 @@ __device__ bool ReceiveLL(const DispatchParams& p, const uint64_t* units, int64_
 // warp copies every piece that has landed (two at once), pads slots past a count, skips this rank's own
 // rows (the senders wrote them) and polls the rest again, so a late piece holds up no other.
 __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e, int64_t buf, uint8_t* mine) {
-  const Waiter w{AbortWord(mine, p.off_sync), p.error, p.timeout_ns};
+  const Waiter w{AbortWord(mine, p.attrs.off_sync), p.error, p.timeout_ns};
   __shared__ int32_t counts[kMaxRanks];
   const uint8_t* region = mine + buf;
-  if (!WaitForSources(Flags(mine, p.off_flags, kDispatch, p.num_ranks), p.num_ranks, e, p.signature, w,
-                      reinterpret_cast<const uint64_t*>(region + p.off_counts), counts)) {
+  if (!WaitForSources(Flags(mine, p.attrs.off_flags, kDispatch, p.num_ranks), p.num_ranks, e, p.signature, w,
+                      reinterpret_cast<const uint64_t*>(region + p.attrs.off_counts), counts)) {
     return;
   }
   const int rb = blockIdx.x - p.senders, lane = threadIdx.x % 32;
   if (rb == 0 && threadIdx.x < p.num_ranks) p.recv_counts[threadIdx.x] = counts[threadIdx.x];
-  const uint32_t* ready = Ready(mine + buf, p.off_ready);
+  const uint32_t* ready = Ready(mine + buf, p.attrs.off_ready);
   const int64_t pieces = Pieces(p.x_row), items = p.num_ranks * p.num_tokens * pieces;
   const int64_t warps = static_cast<int64_t>(gridDim.x - p.senders) * kWarps, g = rb * kWarps + threadIdx.x / 32;
-  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.recv_sf, region + p.off_sf);
+  const bool vectors = p.x_row % 16 == 0, meta_in_lanes = RowMeta::Fits(p, p.recv_sf, region + p.attrs.off_x_sf);
   // Item -> (source s, slot j, piece); o = s * T + j is its output row, n the source's count.
   auto where = [&](int64_t item, int64_t& o, int64_t& s, int64_t& j, int64_t& piece, bool& filled) {
     o = item / pieces;
@@ -802,7 +728,7 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
       where(item, o, s, j, piece, filled);
       src = static_cast<int>(s);
       pending = !filled || s != p.me;
-      if (filled) word = &ready[(s * p.capacity + j) * pieces + piece];
+      if (filled) word = &ready[(s * p.attrs.capacity + j) * pieces + piece];
     }
     int64_t t0 = 0;
     for (;;) {
@@ -834,23 +760,23 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
               pad(o, piece);
               continue;
             }
-            const int64_t r = s * p.capacity + j;
+            const int64_t r = s * p.attrs.capacity + j;
             if (piece == 0 && vectors && meta_in_lanes) {
               meta_slot[n] = static_cast<int32_t>(r);
               meta_out[n] = static_cast<int32_t>(o);
             } else if (piece == 0) {
-              WarpCopy(p.recv_sf + o * p.sf_row, region + p.off_sf + r * p.sf_row, p.sf_row, lane);
-              WarpCopy(reinterpret_cast<uint8_t*>(p.recv_ids + o * p.top_k), region + p.off_ids + r * p.top_k * 4,
+              WarpCopy(p.recv_sf + o * p.sf_row, region + p.attrs.off_x_sf + r * p.sf_row, p.sf_row, lane);
+              WarpCopy(reinterpret_cast<uint8_t*>(p.recv_ids + o * p.top_k), region + p.attrs.off_ids + r * p.top_k * 4,
                        p.top_k * 4, lane);
               WarpCopy(reinterpret_cast<uint8_t*>(p.recv_weights + o * p.top_k),
-                       region + p.off_weights + r * p.top_k * 4, p.top_k * 4, lane);
+                       region + p.attrs.off_weights + r * p.top_k * 4, p.top_k * 4, lane);
             }
             if (!vectors) {
-              WarpCopy(p.recv_x + o * p.x_row + at, region + p.off_x + r * p.x_row + at, nbytes, lane);
+              WarpCopy(p.recv_x + o * p.x_row + at, region + p.attrs.off_x + r * p.x_row + at, nbytes, lane);
               continue;
             }
             dst[n] = p.recv_x + o * p.x_row + at;
-            from[n] = region + p.off_x + r * p.x_row + at;
+            from[n] = region + p.attrs.off_x + r * p.x_row + at;
             bytes[n] = nbytes;
             break;
           }
@@ -860,9 +786,9 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
         for (int n = 0; n < 2; ++n) {
           if (meta_slot[n] < 0) continue;
           const int64_t r = meta_slot[n];
-          meta[n].Load(p, region + p.off_sf + r * p.sf_row,
-                       reinterpret_cast<const int32_t*>(region + p.off_ids) + r * p.top_k,
-                       reinterpret_cast<const float*>(region + p.off_weights) + r * p.top_k, lane);
+          meta[n].Load(p, region + p.attrs.off_x_sf + r * p.sf_row,
+                       reinterpret_cast<const int32_t*>(region + p.attrs.off_ids) + r * p.top_k,
+                       reinterpret_cast<const float*>(region + p.attrs.off_weights) + r * p.top_k, lane);
         }
         WarpCopyTwoPieces(dst[0], from[0], bytes[0], dst[1], from[1], bytes[1], lane);
 #pragma unroll
@@ -880,9 +806,9 @@ __device__ __noinline__ void DispatchReceive(const DispatchParams& p, uint64_t e
 
 __global__ void __launch_bounds__(kThreads, 1) DispatchKernel(const __grid_constant__ DispatchParams p) {
   uint8_t* mine = p.peers.base[p.me];
-  uint64_t* sync = Sync(mine, p.off_sync, kDispatch);
+  uint64_t* sync = Sync(mine, p.attrs.off_sync, kDispatch);
   const uint64_t e = BeginCall(sync);
-  const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  const int64_t buf = static_cast<int64_t>(e & 1) * p.attrs.buffer_stride;
   // Code out of line reaches the kernel parameter through a pointer, and loads each field it reads through memory;
   // inlined code reads it from the constant bank. The send role is inlined; the receive role stays out of line (the
   // two roles inlined together spill several hundred bytes) and reads a copy of p in shared memory instead. On one
@@ -963,7 +889,7 @@ __device__ __forceinline__ void StoreVec8<float>(uint8_t* p, const float* v) {
 // rows to occupy every warp twice, an item is a whole row (fewer fences).
 __device__ void CombineSend(const CombineParams& p, uint64_t e, int64_t buf) {
   if (blockIdx.x == 0 && threadIdx.x < p.num_ranks) {
-    StoreReleaseSys(&Flags(p.peers.base[threadIdx.x], p.off_flags, kCombine, p.num_ranks)[p.me],
+    StoreReleaseSys(&Flags(p.peers.base[threadIdx.x], p.attrs.off_flags, kCombine, p.num_ranks)[p.me],
                     (e << 16) | p.signature);
   }
   const int lane = threadIdx.x % 32;
@@ -982,7 +908,7 @@ __device__ void CombineSend(const CombineParams& p, uint64_t e, int64_t buf) {
     const int64_t first = (item % per_row) * group, sj = item / per_row, s = sj % p.num_ranks, j = sj / p.num_ranks;
     // Rows for this rank are read in place.
     if (s != p.me && j < min(static_cast<int64_t>(p.recv_counts[s]), p.num_tokens)) {
-      uint8_t* dst = p.peers.base[s] + buf + p.off_combine + (p.me * p.capacity + j) * row_bytes;
+      uint8_t* dst = p.peers.base[s] + buf + p.attrs.off_combine + (p.me * p.attrs.capacity + j) * row_bytes;
       const uint8_t* src = p.expert_out + (s * p.num_tokens + j) * row_bytes;
       for (int64_t q = first; q < first + group; q += 2) {  // rows are whole 16-byte vectors: hidden % 8 == 0
         const int64_t at0 = q * kPieceBytes, at1 = at0 + kPieceBytes;
@@ -994,7 +920,7 @@ __device__ void CombineSend(const CombineParams& p, uint64_t e, int64_t buf) {
     if (pending.Due(group, item + warps >= items)) {
       pending.Raise(group, lane, [&](int64_t slot_rank, int64_t piece) {  // slot_rank: j * num_ranks + s
         const int64_t to = slot_rank % p.num_ranks, slot = slot_rank / p.num_ranks;
-        uint32_t* ready = Ready(p.peers.base[to] + buf, p.off_ready) + (p.me * p.capacity + slot) * pieces;
+        uint32_t* ready = Ready(p.peers.base[to] + buf, p.attrs.off_ready) + (p.me * p.attrs.capacity + slot) * pieces;
         StoreRelaxedSys(&ready[piece], static_cast<uint32_t>(e));
       });
     }
@@ -1015,10 +941,10 @@ constexpr int kRanksInFlight = 2;
 
 template <typename In, typename Out>
 __device__ void CombineReduce(const CombineParams& p, uint64_t e, int64_t buf, uint8_t* mine) {
-  const Waiter w{AbortWord(mine, p.off_sync), p.error, p.timeout_ns};
-  if (!WaitForSources(Flags(mine, p.off_flags, kCombine, p.num_ranks), p.num_ranks, e, p.signature, w)) return;
-  const uint8_t* region = mine + buf + p.off_combine;
-  const uint32_t* ready = Ready(mine + buf, p.off_ready);
+  const Waiter w{AbortWord(mine, p.attrs.off_sync), p.error, p.timeout_ns};
+  if (!WaitForSources(Flags(mine, p.attrs.off_flags, kCombine, p.num_ranks), p.num_ranks, e, p.signature, w)) return;
+  const uint8_t* region = mine + buf + p.attrs.off_combine;
+  const uint32_t* ready = Ready(mine + buf, p.attrs.off_ready);
   const int64_t in_row = p.hidden * sizeof(In), pieces = Pieces(in_row);
   const uint32_t epoch = static_cast<uint32_t>(e);
   constexpr int kSub = kThreads / kReduceTokens;  // threads per token
@@ -1048,7 +974,7 @@ __device__ void CombineReduce(const CombineParams& p, uint64_t e, int64_t buf, u
         const int32_t slot = slot_of(slots, r);
         const int64_t h = h0 - lane * 8 + k * kStep;  // the warp's first value of vector k
         if (i < ranks * kReduceVecs && r != p.me && slot >= 0 && h < p.hidden && landed) {
-          landed = WaitReady(&ready[(r * p.capacity + slot) * pieces + h * sizeof(In) / kPieceBytes], epoch, r, w);
+          landed = WaitReady(&ready[(r * p.attrs.capacity + slot) * pieces + h * sizeof(In) / kPieceBytes], epoch, r, w);
         }
       }
       // Every lane's loads below come after the polling lanes' acquires; a wait that gave up ends the warp's work.
@@ -1071,7 +997,7 @@ __device__ void CombineReduce(const CombineParams& p, uint64_t e, int64_t buf, u
           if (slot[i] < 0) continue;
           // Rows of this rank are read in place.
           const uint8_t* row = r == p.me ? p.expert_out + (p.me * p.num_tokens + slot[i]) * in_row
-                                         : region + (r * p.capacity + slot[i]) * in_row;
+                                         : region + (r * p.attrs.capacity + slot[i]) * in_row;
 #pragma unroll
           for (int k = 0; k < kReduceVecs; ++k) {
             if (h0 + k * kStep < p.hidden) v[i][k].Load(row + (h0 + k * kStep) * sizeof(In));
@@ -1098,9 +1024,9 @@ __device__ void CombineReduce(const CombineParams& p, uint64_t e, int64_t buf, u
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, 1) CombineKernel(const __grid_constant__ CombineParams p) {
   uint8_t* mine = p.peers.base[p.me];
-  uint64_t* sync = Sync(mine, p.off_sync, kCombine);
+  uint64_t* sync = Sync(mine, p.attrs.off_sync, kCombine);
   const uint64_t e = BeginCall(sync);
-  const int64_t buf = static_cast<int64_t>(e & 1) * p.buffer_stride;
+  const int64_t buf = static_cast<int64_t>(e & 1) * p.attrs.buffer_stride;
   if (static_cast<int>(blockIdx.x) < p.senders) {
     CombineSend(p, e, buf);
   } else {

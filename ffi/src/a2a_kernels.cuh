@@ -13,10 +13,13 @@ struct PeerBases {
   uint8_t* base[kMaxRanks];  // every rank's workspace block, valid on every GPU of the group (peer access)
 };
 
+// What a launch needs: the call's decoded attributes as the handler checked them, and what the handler adds (peer
+// table, rank, the shapes of its buffers, their addresses, the workspace's timeout and error word).
 struct DispatchParams {
+  DispatchAttrs attrs;
   PeerBases peers;
-  int me, num_ranks;
-  int64_t capacity, num_tokens, top_k, num_experts, x_row, sf_row;
+  int me, num_ranks;  // num_ranks: attrs.num_ranks, as the int the kernels compute with
+  int64_t num_tokens, top_k, x_row, sf_row;  // x_row, sf_row: bytes per row
   const uint8_t* x;
   const uint8_t* x_sf;
   const int32_t* ids;
@@ -27,12 +30,6 @@ struct DispatchParams {
   float* recv_weights;
   int32_t* recv_counts;
   int32_t* send_slot;
-  int64_t off_x, off_sf, off_ids, off_weights, off_counts, off_ready, buffer_stride, off_flags, off_sync;
-  // LL form (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens send peers their rows as ll_row-byte rows of
-  // 8-byte units at off_ll; ll_tokens 0: never.
-  int64_t off_ll, ll_tokens, ll_row;
-  // Scan region of this rank's block: [kScanBlocks, num_ranks] uint64 counts of the sender blocks (large calls).
-  int64_t off_scan;
   int64_t timeout_ns;
   int senders;  // blocks [0, senders) of the grid send, the rest receive (set by the launcher)
   uint32_t signature;  // 16 bits: a hash of the call's shapes, equal on every rank of a correct program
@@ -40,14 +37,14 @@ struct DispatchParams {
 };
 
 struct CombineParams {
+  CombineAttrs attrs;
   PeerBases peers;
   int me, num_ranks;
-  int64_t capacity, num_tokens, hidden, in_bytes, out_bytes;
+  int64_t num_tokens, hidden, in_bytes, out_bytes;
   const uint8_t* expert_out;
   const int32_t* recv_counts;
   const int32_t* send_slot;
   uint8_t* out;
-  int64_t off_combine, off_ready, buffer_stride, off_flags, off_sync;
   int64_t timeout_ns;
   int senders;  // blocks [0, senders) of the grid send, the rest reduce (set by the launcher)
   uint32_t signature;

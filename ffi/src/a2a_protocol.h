@@ -31,4 +31,22 @@ constexpr int64_t Pieces(int64_t row_bytes) {
 constexpr int kErrorTimeoutBase = 1;         // + source rank: that source did not raise its flag in time
 constexpr int kErrorMismatchBase = 1 << 16;  // + source rank: that source called with other arguments
 
+// The attributes of a call (a2a.Workspace.attrs), decoded by name at the end of a2a.cc; members in that
+// decoding's order. Offsets are workspace byte offsets of buffer 0 (buffer b adds b * buffer_stride).
+struct DispatchAttrs {
+  int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
+  int64_t site;  // the call site: a trace-time id, the same in every device's program (CPU meetings)
+  int64_t num_experts;
+  int64_t off_x, off_x_sf, off_ids, off_weights, off_counts, off_ready;
+  int64_t off_ll;    // LL rows (layout.LL_MAX_TOKENS): calls of at most ll_tokens tokens, ll_row_bytes per row
+  int64_t off_scan;  // the sender blocks' counts: [kScanBlocks, num_ranks] uint64 (GPU kernels)
+  int64_t ll_tokens, ll_row_bytes;
+};
+
+struct CombineAttrs {
+  int64_t buffer_stride, capacity, num_ranks, off_flags, off_sync, workspace;
+  int64_t site;
+  int64_t off_combine, off_ready;
+};
+
 }  // namespace jax_moe_a2a

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common.h"
+#include "handlers.h"
 #include "xla/ffi/api/ffi.h"
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
@@ -217,9 +218,8 @@ ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
                                   bool masked) {
   GemmShape s;
   if (auto err = CheckGroupedGemm(a, a_sf, b, b_sf, group_sizes, d, masked, &s); err.failure()) return err;
-  int current = -1;
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaGetDevice(&current));
-  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   int sm_count = 0;
   std::string error;
   if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
@@ -242,7 +242,6 @@ ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
     args.scratch_bytes = static_cast<size_t>(scratch->element_count());
     error = LaunchGroupedGemmFp8(stream, sm_count, args);
   }
-  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(current));
   if (!error.empty()) return ffi::Error::Internal(std::string(kOp) + ": " + error);
   return ffi::Error::Success();
 }
@@ -420,9 +419,8 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
                                    ffi::Result<ffi::Buffer<ffi::U8>> scratch, int32_t mode) {
   Bf16Shape s;
   if (auto err = CheckGroupedGemmBf16(a, b, group_sizes, d, mode, &s); err.failure()) return err;
-  int current = -1;
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaGetDevice(&current));
-  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   int sm_count = 0;
   std::string error;
   if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
@@ -444,7 +442,6 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
     args.scratch_bytes = static_cast<size_t>(scratch->element_count());
     error = LaunchGroupedGemmBf16(stream, sm_count, args);
   }
-  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(current));
   if (!error.empty()) return ffi::Error::Internal(std::string(kOpBf16) + ": " + error);
   return ffi::Error::Success();
 }

@@ -9,69 +9,14 @@
 
 #include "a2a_protocol.h"
 #include "common.h"
+#include "handlers.h"
 #include "workspace.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace py = pybind11;
 
-// Handlers defined in the other translation units.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCpu);
-#ifdef JAX_MOE_A2A_WITH_CUDA
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCuda);
-#endif
-
 namespace jax_moe_a2a {
-std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
-                               int64_t* id);
-#ifdef JAX_MOE_A2A_WITH_CUDA
-std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
-                                int64_t* id);
-std::string IpcHandles(int64_t id, std::map<int, std::string>* handles);
-std::string OpenIpcPeers(int64_t id, const std::map<std::pair<int, int>, std::string>& handles);
-#endif
-std::string DestroyWorkspace(int64_t id);
-size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_out);
-}  // namespace jax_moe_a2a
-
-namespace jax_moe_a2a {
-
-std::string DataTypeName(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::DataType::PRED: return "bool";
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::S16: return "int16";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::U16: return "uint16";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::U64: return "uint64";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
-    case ffi::DataType::F8E5M2: return "float8_e5m2";
-    default: return "dtype #" + std::to_string(static_cast<int>(dtype));
-  }
-}
 
 namespace {
 

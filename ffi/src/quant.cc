@@ -253,15 +253,11 @@ ffi::Error QuantizeFp8BlockwiseCudaImpl(cudaStream_t stream, int32_t device, ffi
   InputType type = InputType::kF32;
   if (x.element_type() == ffi::DataType::BF16) type = InputType::kBF16;
   if (x.element_type() == ffi::DataType::F16) type = InputType::kF16;
-  // One process may drive several GPUs: launch with the stream's device current.
-  int current = -1;
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaGetDevice(&current));
-  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
-  const cudaError_t launch = LaunchQuantizeFp8Blockwise(
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8Blockwise(
       stream, type, x.untyped_data(), reinterpret_cast<uint8_t*>(x_q->untyped_data()), x_sf->typed_data(), s.m,
-      s.k, block_major_k);
-  if (current != device) JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaSetDevice(current));
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(launch);
+      s.k, block_major_k));
   return ffi::Error::Success();
 }
 

@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -129,5 +130,16 @@ struct CallSite {
 };
 ffi::Error ResolveCallSite(const char* op, int64_t ws_id, int device, int64_t num_ranks, int64_t needed_bytes,
                            bool cuda, CallSite* site);
+
+// The registry's entry points from Python (module.cc): each returns "" on success or the error's message.
+std::string CreateCpuWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
+                               int64_t* id);
+#ifdef JAX_MOE_A2A_WITH_CUDA
+std::string CreateCudaWorkspace(const std::vector<std::vector<int>>& devices, size_t bytes, int64_t timeout_ns,
+                                int64_t* id);
+std::string IpcHandles(int64_t id, std::map<int, std::string>* handles);
+std::string OpenIpcPeers(int64_t id, const std::map<std::pair<int, int>, std::string>& handles);
+#endif
+std::string DestroyWorkspace(int64_t id);
 
 }  // namespace jax_moe_a2a
