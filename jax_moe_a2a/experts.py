@@ -392,6 +392,13 @@ def _quantize_rows(x, impl):
   return q.reshape(x.shape), sf.reshape(*x.shape[:-1], k // quant.FP8_BLOCK)
 
 
+def _swiglu_quantize_rows(h, impl):
+  """`quant.swiglu_quantize_fp8_blockwise` of gate/up rows h [..., 2F]: E4M3 [..., F] and scales [..., F/128]."""
+  f = h.shape[-1] // 2
+  q, sf = quant.swiglu_quantize_fp8_blockwise(h.reshape(-1, 2 * f), impl=impl)
+  return q.reshape(*h.shape[:-1], f), sf.reshape(*h.shape[:-1], f // quant.FP8_BLOCK)
+
+
 def _fp8_operands(st: _Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   """FP8 activations (quantized here when float) and weights (quantized here when float)."""
   if st.x_dtype is not None:
@@ -408,7 +415,7 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
   h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
   h = checkpoint_name(h, "expert_gate_up")
   del ffn
-  q, q_sf = _quantize_rows(_swiglu(h), st.impl)
+  q, q_sf = _swiglu_quantize_rows(h, st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
   # The backward reads float weights as they are (cast to bfloat16), FP8 ones dequantized.
   w_bwd = (w_gate_up, w_down) if st.w_dtype is not None else (gu, gu_sf, dn, dn_sf)

@@ -274,7 +274,7 @@ def _ffi_quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False) ->
   groups = k // FP8_BLOCK
   out = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((groups, m) if block_major_k else (m, groups), jnp.float32))
-  return _ffi.ffi_call("quantize_fp8_blockwise", out, x, block_major_k=bool(block_major_k))
+  return _ffi.ffi_call("quantize_fp8_blockwise", out, x, block_major_k=bool(block_major_k), swiglu=False)
 
 
 def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
@@ -330,9 +330,55 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
   return quantize_fp8_blockwise_reference(x, block_major_k=bool(block_major_k))
 
 
+def swiglu_reference(h: jax.Array) -> jax.Array:
+  """``silu(gate) * up`` of rows h [M, 2F] (gate columns, then up), in float32, by the operations of the custom
+  call: ``(g * (1 / (1 + exp(-g)))) * u``."""
+  f = h.shape[-1] // 2
+  g, u = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32)
+  return (g * (1.0 / (1.0 + jnp.exp(-g)))) * u
+
+
+@jax.jit
+def swiglu_quantize_fp8_blockwise_reference(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Pure-JAX twin of `swiglu_quantize_fp8_blockwise`."""
+  return quantize_fp8_blockwise_reference(swiglu_reference(h))
+
+
+def swiglu_quantize_fp8_blockwise(h: jax.Array, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """SwiGLU of gate/up rows, quantized as `quantize_fp8_blockwise`: one pass over h, no float32 activation.
+
+  ``quantize_fp8_blockwise(silu(h[:, :F]) * h[:, F:])`` with the SwiGLU in float32 (`swiglu_reference`): the
+  expert MLP's activation, ready for its down projection. The custom call and the twin compute the same float32
+  operations, but ``exp`` is the backend's (CUDA's expf is within 2 ulp), so a code can differ by one E4M3 step
+  where a value lies at a rounding boundary, and a scale by a factor of 2 where a group's amax lies at a power of
+  two; the dequantized values agree to within E4M3 rounding (tests/test_quant_ffi.py states the tolerance).
+
+  Args:
+    h: `[M, 2F]` bfloat16, float16 or float32 with F % 128 == 0: gate columns, then up columns.
+    impl: "ffi" (the custom call jax_moe_a2a_quantize_fp8_blockwise with swiglu), "reference" or "auto".
+
+  Returns:
+    act_q: `[M, F] float8_e4m3fn`; act_sf: `[M, F/128] float32`.
+
+  Raises:
+    TypeError: h is not bfloat16, float16 or float32.
+    ValueError: h is not 2-D, or 2F is not a positive multiple of 256.
+  """
+  op = "swiglu_quantize_fp8_blockwise"
+  _check_float_input(op, "h", h)
+  m, k2 = _check_2d(op, "h", h)
+  if k2 % (2 * FP8_BLOCK) or k2 == 0:
+    raise ValueError(f"{op}: h must be [M, 2F] with F a positive multiple of {FP8_BLOCK}, got shape {tuple(h.shape)}")
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    f = k2 // 2
+    out = (jax.ShapeDtypeStruct((m, f), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, f // FP8_BLOCK), jnp.float32))
+    return _ffi.ffi_call("quantize_fp8_blockwise", out, h, block_major_k=False, swiglu=True)
+  return swiglu_quantize_fp8_blockwise_reference(h)
+
+
 @functools.partial(jax.jit, static_argnames=("block_major_k", "dtype"))
 def dequantize_fp8_blockwise_reference(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: bool = False,
-                                  dtype: Any = jnp.float32) -> jax.Array:
+                                       dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_fp8_blockwise` (no argument checks)."""
   m, k = x_q.shape
   scale = x_sf.T if block_major_k else x_sf
@@ -654,7 +700,7 @@ def nvfp4_global_scale(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def quantize_nvfp4_reference(x: jax.Array, *, global_scale: Optional[jax.Array] = None
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pure-JAX twin of `quantize_nvfp4` (same signature and semantics, no argument checks)."""
   m, k = x.shape
   gs = nvfp4_global_scale_reference(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
@@ -727,7 +773,7 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_nvfp4_reference(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
-                          dtype: Any = jnp.float32) -> jax.Array:
+                               dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_nvfp4` (no argument checks)."""
   m, half_k = x_q.shape
   code = jnp.stack([x_q & 0xF, x_q >> 4], axis=-1).reshape(m, 2 * half_k // NVFP4_BLOCK, NVFP4_BLOCK)

@@ -88,11 +88,11 @@ def test_cpp_handler_checks_shapes_when_reached():
   x = jnp.zeros((4, 256), jnp.bfloat16)
   bad = (jax.ShapeDtypeStruct((4, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4, 3), jnp.float32))
   with pytest.raises(Exception, match=r"x_sf must be \[M, K/128\] = \[4, 2\], got \[4, 3\]"):
-    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", bad, x, block_major_k=False))
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", bad, x, block_major_k=False, swiglu=False))
   bad_dtype = (jax.ShapeDtypeStruct((4, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4, 2), jnp.float32))
   with pytest.raises(Exception, match="x must be bfloat16, float16 or float32, got int32"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", bad_dtype, jnp.zeros((4, 256), jnp.int32),
-                                        block_major_k=False))
+                                        block_major_k=False, swiglu=False))
 
 
 @pytest.mark.gpu
@@ -102,6 +102,95 @@ def test_gpu_large_bit_exact(block_major_k):
   assert jax.default_backend() == "gpu"
   x = _wide_range(np.random.default_rng(3), 4099, 7168, jnp.bfloat16)
   _assert_same(x, block_major_k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SwiGLU fused with 1x128 quantization
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _assert_swiglu_close(h, codes_equal=0.999):
+  """The custom call against the twin. Both compute (g * (1 / (1 + exp(-g)))) * u in float32 with the backend's exp
+  (not bit-exact across backends), so a code may move one E4M3 step where a value sits on a rounding boundary, and
+  a scale by 2x where a group's amax sits on a power of two. Tolerances: every dequantized value within one E4M3
+  step of the twin's (2^-3 relative, plus half the subnormal spacing of the larger scale), at least `codes_equal`
+  of the codes and 99% of the scales identical, and NaN groups identical."""
+  q_ffi, sf_ffi = jax.jit(lambda h: quant.swiglu_quantize_fp8_blockwise(h, impl="ffi"))(h)
+  q_ref, sf_ref = jax.jit(lambda h: quant.swiglu_quantize_fp8_blockwise(h, impl="reference"))(h)
+  m, f = h.shape[0], h.shape[1] // 2
+  assert q_ffi.dtype == jnp.float8_e4m3fn and q_ffi.shape == (m, f) and sf_ffi.shape == (m, f // 128)
+  if m == 0:
+    return
+  a = np.asarray(quant.dequantize_fp8_blockwise(q_ffi, sf_ffi), np.float64)
+  b = np.asarray(quant.dequantize_fp8_blockwise(q_ref, sf_ref), np.float64)
+  np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+  ok = ~np.isnan(b)
+  scale = np.maximum(np.asarray(sf_ffi), np.asarray(sf_ref)).repeat(128, axis=1)
+  assert np.all(np.abs(a - b)[ok] <= (2.0 ** -3 * np.maximum(np.abs(a), np.abs(b)) + scale * 2.0 ** -9)[ok])
+  assert np.mean(_bits(q_ffi) == _bits(q_ref)) >= codes_equal
+  assert np.mean(_bits(sf_ffi) == _bits(sf_ref)) >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m,f", [(0, 128), (1, 128), (37, 256), (130, 512)])
+def test_swiglu_quantize_ffi_close_to_twin(dtype, m, f):
+  rng = np.random.default_rng(m + f)
+  h = _wide_range(rng, m, 2 * f, dtype) if m else jnp.zeros((0, 2 * f), dtype)
+  if m:  # gates of moderate size, so silu is far from both of its asymptotes somewhere in every group
+    h = h.at[:, :f].set((rng.standard_normal((m, f)) * 3).astype(np.float32).astype(dtype))
+  _assert_swiglu_close(h)
+
+
+def test_swiglu_quantize_non_finite_groups_stay_in_their_group():
+  h = np.random.default_rng(5).standard_normal((4, 512)).astype(np.float32)
+  h[1, 3] = np.nan  # gate of group 0, row 1
+  h[2, 256 + 130] = np.inf  # up of group 1, row 2
+  q, sf = quant.swiglu_quantize_fp8_blockwise(jnp.asarray(h), impl="ffi")
+  sf = np.asarray(sf)
+  assert np.isnan(sf[1, 0]) and np.isnan(sf[2, 1])
+  assert np.isfinite(np.delete(sf.ravel(), [1 * 2 + 0, 2 * 2 + 1])).all()
+  _assert_swiglu_close(jnp.asarray(h))
+
+
+def test_swiglu_quantize_equals_quantizing_the_twins_swiglu():
+  """The twin is quantize_fp8_blockwise of swiglu_reference, bit for bit (the rule is the quantizer's)."""
+  h = jax.random.normal(jax.random.key(0), (64, 512), jnp.bfloat16)
+  q, sf = quant.swiglu_quantize_fp8_blockwise(h, impl="reference")
+  q2, sf2 = quant.quantize_fp8_blockwise(quant.swiglu_reference(h), impl="reference")
+  np.testing.assert_array_equal(_bits(q), _bits(q2))
+  np.testing.assert_array_equal(_bits(sf), _bits(sf2))
+
+
+@pytest.mark.parametrize("shape,dtype,err,match", [
+    ((4, 128), jnp.bfloat16, ValueError,
+     r"h must be \[M, 2F\] with F a positive multiple of 128, got shape \(4, 128\)"),
+    ((4, 0), jnp.bfloat16, ValueError, r"h must be .*F a positive multiple of 128, got shape \(4, 0\)"),
+    ((4, 256, 1), jnp.bfloat16, ValueError, r"h must be 2-D"),
+    ((4, 256), jnp.int32, TypeError, r"h must be .*got int32"),
+])
+def test_swiglu_quantize_refuses_bad_inputs(shape, dtype, err, match):
+  with pytest.raises(err, match="swiglu_quantize_fp8_blockwise: " + match):
+    quant.swiglu_quantize_fp8_blockwise(jnp.zeros(shape, dtype), impl="ffi")
+
+
+def test_cpp_handler_checks_swiglu_shapes_when_reached():
+  h = jnp.zeros((4, 384), jnp.bfloat16)  # 2F = 384: F = 192 is not a multiple of 128
+  out = (jax.ShapeDtypeStruct((4, 192), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4, 1), jnp.float32))
+  with pytest.raises(Exception, match=r"x must be \[M, 2K\] with K % 128 == 0 \(swiglu\), got \[4, 384\]"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", out, h, block_major_k=False, swiglu=True))
+  out = (jax.ShapeDtypeStruct((4, 128), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((1, 4), jnp.float32))
+  with pytest.raises(Exception, match=r"block_major_k with swiglu must be false, got true"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_blockwise", out, jnp.zeros((4, 256), jnp.bfloat16),
+                                        block_major_k=True, swiglu=True))
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_quantize_close_to_twin():
+  """On a GPU, at the expert MLP's shape (F = 2048), bf16 gate/up rows."""
+  assert jax.default_backend() == "gpu"
+  rng = np.random.default_rng(6)
+  h = jnp.asarray((rng.standard_normal((4099, 4096)) * 2).astype(np.float32), jnp.bfloat16)
+  _assert_swiglu_close(h)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // quant.cc -- handlers of jax_moe_a2a_quantize_fp8_blockwise (1x128 groups of activation rows) and
 // jax_moe_a2a_quantize_fp8_weight (128x128 blocks of weights), CPU, and CUDA when built with it.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -30,25 +31,32 @@ struct QuantShape {
   int64_t k = 0;
 };
 
+// swiglu: x is [M, 2K], gate columns then up columns, and the values quantized are silu(gate) * up; the codes and
+// scales are those of an [M, K] input.
 ffi::Error CheckQuantize(const ffi::AnyBuffer& x, const ffi::Result<ffi::AnyBuffer>& x_q,
-                         const ffi::Result<ffi::Buffer<ffi::F32>>& x_sf, bool block_major_k, QuantShape* shape) {
+                         const ffi::Result<ffi::Buffer<ffi::F32>>& x_sf, bool block_major_k, bool swiglu,
+                         QuantShape* shape) {
   const auto dt = x.element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
     return InvalidArg(kOp, "x", "bfloat16, float16 or float32", DataTypeName(dt));
   }
+  if (swiglu && block_major_k) return InvalidArg(kOp, "block_major_k with swiglu", "false", "true");
   const auto dims = x.dimensions();
-  if (dims.size() != 2 || dims[1] % kGroup != 0) {
-    return InvalidArg(kOp, "x", "[M, K] with K % 128 == 0", DimsToString(dims));
+  const int64_t width = swiglu ? 2 * kGroup : kGroup;
+  if (dims.size() != 2 || dims[1] % width != 0) {
+    return InvalidArg(kOp, "x", swiglu ? "[M, 2K] with K % 128 == 0 (swiglu)" : "[M, K] with K % 128 == 0",
+                      DimsToString(dims));
   }
   shape->m = dims[0];
-  shape->k = dims[1];
+  shape->k = swiglu ? dims[1] / 2 : dims[1];
   const int64_t groups = shape->k / kGroup;
   if (x_q->element_type() != ffi::DataType::F8E4M3FN) {
     return InvalidArg(kOp, "x_q", "float8_e4m3fn", DataTypeName(x_q->element_type()));
   }
   const auto q_dims = x_q->dimensions();
   if (q_dims.size() != 2 || q_dims[0] != shape->m || q_dims[1] != shape->k) {
-    return InvalidArg(kOp, "x_q", "[M, K] = " + DimsToString(dims), DimsToString(q_dims));
+    return InvalidArg(kOp, "x_q", "[M, K] = [" + std::to_string(shape->m) + ", " + std::to_string(shape->k) + "]",
+                      DimsToString(q_dims));
   }
   const auto sf_dims = x_sf->dimensions();
   const int64_t want0 = block_major_k ? groups : shape->m;
@@ -153,14 +161,28 @@ float EncodeGroup(const float* v, int64_t count, uint8_t* codes) {
   return scale;
 }
 
-template <typename Load>
-void QuantizeRows(Load load, int64_t m, int64_t k, uint8_t* x_q, float* x_sf, bool block_major_k) {
+// silu(g) * u in float32: g * (1 / (1 + exp(-g))), then times u.
+float Swiglu(float g, float u) {
+  const float sig = 1.0f / (1.0f + std::exp(-g));
+  return (g * sig) * u;
+}
+
+// Quantizes the rows of an [m, k] input read by to_float(index) of x [m, k], or, with swiglu, of
+// silu(x[:, :k]) * x[:, k:] for x [m, 2k].
+template <typename ToFloat>
+void QuantizeRows(ToFloat to_float, int64_t m, int64_t k, bool swiglu, uint8_t* x_q, float* x_sf,
+                  bool block_major_k) {
   const int64_t groups = k / kGroup;
   float v[kGroup];
   for (int64_t row = 0; row < m; ++row) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t base = row * k + g * kGroup;
-      for (int i = 0; i < kGroup; ++i) v[i] = load(base + i);
+      if (swiglu) {
+        const int64_t in = row * 2 * k + g * kGroup;
+        for (int i = 0; i < kGroup; ++i) v[i] = Swiglu(to_float(in + i), to_float(in + k + i));
+      } else {
+        for (int i = 0; i < kGroup; ++i) v[i] = to_float(base + i);
+      }
       x_sf[block_major_k ? g * m + row : row * groups + g] = EncodeGroup(v, kGroup, x_q + base);
     }
   }
@@ -188,25 +210,25 @@ void QuantizeWeightBlocks(Load load, int64_t batch, int64_t n, int64_t k, uint8_
 }
 
 ffi::Error QuantizeFp8BlockwiseCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> x_q,
-                                       ffi::Result<ffi::Buffer<ffi::F32>> x_sf, bool block_major_k) {
+                                       ffi::Result<ffi::Buffer<ffi::F32>> x_sf, bool block_major_k, bool swiglu) {
   QuantShape s;
-  if (auto err = CheckQuantize(x, x_q, x_sf, block_major_k, &s); err.failure()) return err;
+  if (auto err = CheckQuantize(x, x_q, x_sf, block_major_k, swiglu, &s); err.failure()) return err;
   auto* q = reinterpret_cast<uint8_t*>(x_q->untyped_data());
   float* sf = x_sf->typed_data();
   switch (x.element_type()) {
     case ffi::DataType::BF16: {
       const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
-      QuantizeRows([p](int64_t i) { return Bf16BitsToFloat(p[i]); }, s.m, s.k, q, sf, block_major_k);
+      QuantizeRows([p](int64_t i) { return Bf16BitsToFloat(p[i]); }, s.m, s.k, swiglu, q, sf, block_major_k);
       break;
     }
     case ffi::DataType::F16: {
       const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
-      QuantizeRows([p](int64_t i) { return F16ToFloat(p[i]); }, s.m, s.k, q, sf, block_major_k);
+      QuantizeRows([p](int64_t i) { return F16ToFloat(p[i]); }, s.m, s.k, swiglu, q, sf, block_major_k);
       break;
     }
     default: {
       const auto* p = reinterpret_cast<const float*>(x.untyped_data());
-      QuantizeRows([p](int64_t i) { return p[i]; }, s.m, s.k, q, sf, block_major_k);
+      QuantizeRows([p](int64_t i) { return p[i]; }, s.m, s.k, swiglu, q, sf, block_major_k);
       break;
     }
   }
@@ -246,9 +268,9 @@ ffi::Error QuantizeFp8WeightCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 #ifdef JAX_MOE_A2A_WITH_CUDA
 ffi::Error QuantizeFp8BlockwiseCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                         ffi::Result<ffi::AnyBuffer> x_q,
-                                        ffi::Result<ffi::Buffer<ffi::F32>> x_sf, bool block_major_k) {
+                                        ffi::Result<ffi::Buffer<ffi::F32>> x_sf, bool block_major_k, bool swiglu) {
   QuantShape s;
-  if (auto err = CheckQuantize(x, x_q, x_sf, block_major_k, &s); err.failure()) return err;
+  if (auto err = CheckQuantize(x, x_q, x_sf, block_major_k, swiglu, &s); err.failure()) return err;
   if (s.m == 0) return ffi::Error::Success();
   InputType type = InputType::kF32;
   if (x.element_type() == ffi::DataType::BF16) type = InputType::kBF16;
@@ -257,7 +279,7 @@ ffi::Error QuantizeFp8BlockwiseCudaImpl(cudaStream_t stream, int32_t device, ffi
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8Blockwise(
       stream, type, x.untyped_data(), reinterpret_cast<uint8_t*>(x_q->untyped_data()), x_sf->typed_data(), s.m,
-      s.k, block_major_k));
+      s.k, block_major_k, swiglu));
   return ffi::Error::Success();
 }
 
@@ -292,7 +314,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu, jax_moe_a2a::Qua
                                   .Arg<xla::ffi::AnyBuffer>()                  // x
                                   .Ret<xla::ffi::AnyBuffer>()             // x_q
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       // x_sf
-                                  .Attr<bool>("block_major_k"));                 // block_major_k
+                                  .Attr<bool>("block_major_k")                  // block_major_k
+                                  .Attr<bool>("swiglu"));                       // swiglu
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda, jax_moe_a2a::QuantizeFp8BlockwiseCudaImpl,
@@ -302,7 +325,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda, jax_moe_a2a::Qu
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Ret<xla::ffi::AnyBuffer>()                // x_q
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // x_sf
-                                  .Attr<bool>("block_major_k"),                    // block_major_k
+                                  .Attr<bool>("block_major_k")                     // block_major_k
+                                  .Attr<bool>("swiglu"),                           // swiglu
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif
 

@@ -101,8 +101,16 @@ __device__ __forceinline__ float EncodePiece(const float* v, float amax, int fin
   return __uint_as_float(biased << 23);
 }
 
-// Index is uint32_t when every element offset fits (cheaper division), else int64_t.
-template <typename T, bool kBlockMajorK, typename Index>
+// silu(g) * u in float32: the operations of the CPU handler's Swiglu (quant.cc), each correctly rounded but expf
+// (CUDA's, within 2 ulp).
+__device__ __forceinline__ float Swiglu(float g, float u) {
+  const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+  return __fmul_rn(__fmul_rn(g, sig), u);
+}
+
+// Index is uint32_t when every element offset fits (cheaper division), else int64_t. kSwiglu: x is [m, 2k], gate
+// columns then up columns, and the values quantized are silu(gate) * up (row-major scales only).
+template <typename T, bool kBlockMajorK, bool kSwiglu, typename Index>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* __restrict__ x,
                                                                        uint8_t* __restrict__ x_q,
                                                                        float* __restrict__ x_sf, Index m,
@@ -115,12 +123,20 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
   const Index first = static_cast<Index>(blockIdx.x) * (kGroupsPerPass * kUnroll) + threadIdx.x / kLanes;
 
   uint4 raw[kUnroll];
+  uint4 raw_up[kSwiglu ? kUnroll : 1];
   Index offset[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const Index f = first + static_cast<Index>(u) * kGroupsPerPass;
     offset[u] = f * kGroup + lane * kVec;  // groups are enumerated row-major: f = row * groups_per_row + g
-    raw[u] = f < num_groups ? LoadStreaming(x + offset[u]) : make_uint4(0, 0, 0, 0);
+    if constexpr (kSwiglu) {
+      const Index width = groups_per_row * kGroup;                    // k: the gate (and up) columns of a row
+      const Index in = offset[u] + (f / groups_per_row) * width;      // row * 2k + column, gate
+      raw[u] = f < num_groups ? LoadStreaming(x + in) : make_uint4(0, 0, 0, 0);
+      raw_up[u] = f < num_groups ? LoadStreaming(x + in + width) : make_uint4(0, 0, 0, 0);
+    } else {
+      raw[u] = f < num_groups ? LoadStreaming(x + offset[u]) : make_uint4(0, 0, 0, 0);
+    }
   }
 
 #pragma unroll
@@ -128,6 +144,12 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
     const Index f = first + static_cast<Index>(u) * kGroupsPerPass;
     float v[kVec];
     Unpack<T>(raw[u], v);
+    if constexpr (kSwiglu) {
+      float up[kVec];
+      Unpack<T>(raw_up[u], up);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = Swiglu(v[i], up[i]);
+    }
     float amax = 0.0f;
     int finite = 1;
 #pragma unroll
@@ -148,29 +170,38 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
   }
 }
 
+template <typename T, bool kBlockMajorK, bool kSwiglu>
+void LaunchKernel(cudaStream_t stream, dim3 grid, bool wide, const T* x, uint8_t* x_q, float* x_sf, int64_t m,
+                  int64_t groups_per_row) {
+  if (wide) {
+    QuantizeFp8BlockwiseKernel<T, kBlockMajorK, kSwiglu, int64_t><<<grid, kThreads, 0, stream>>>(x, x_q, x_sf, m,
+                                                                                              groups_per_row);
+  } else {
+    QuantizeFp8BlockwiseKernel<T, kBlockMajorK, kSwiglu, uint32_t><<<grid, kThreads, 0, stream>>>(
+        x, x_q, x_sf, static_cast<uint32_t>(m), static_cast<uint32_t>(groups_per_row));
+  }
+}
+
 template <typename T>
 cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf, int64_t m, int64_t k,
-                   bool block_major_k) {
+                   bool block_major_k, bool swiglu) {
   constexpr int kLanes = kGroup / (16 / sizeof(T));
   constexpr int64_t kGroupsPerBlock = static_cast<int64_t>(kThreads / kLanes) * kUnroll;
   const int64_t groups_per_row = k / kGroup;
   const int64_t blocks = (m * groups_per_row + kGroupsPerBlock - 1) / kGroupsPerBlock;
   if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  if (blocks > 0x7FFFFFFF || (swiglu && block_major_k)) return cudaErrorInvalidValue;
   const auto* xt = static_cast<const T*>(x);
   const dim3 grid(static_cast<unsigned>(blocks));
-  // The last block may enumerate groups past the end: those indices must fit the index type too.
-  if (blocks * kGroupsPerBlock * kGroup < (int64_t{1} << 32)) {
-    const auto m32 = static_cast<uint32_t>(m), g32 = static_cast<uint32_t>(groups_per_row);
-    if (block_major_k) {
-      QuantizeFp8BlockwiseKernel<T, true, uint32_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m32, g32);
-    } else {
-      QuantizeFp8BlockwiseKernel<T, false, uint32_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m32, g32);
-    }
+  // The last block may enumerate groups past the end: those indices (of x, twice as wide with swiglu) must fit the
+  // index type too.
+  const bool wide = blocks * kGroupsPerBlock * kGroup * (swiglu ? 2 : 1) >= (int64_t{1} << 32);
+  if (swiglu) {
+    LaunchKernel<T, false, true>(stream, grid, wide, xt, x_q, x_sf, m, groups_per_row);
   } else if (block_major_k) {
-    QuantizeFp8BlockwiseKernel<T, true, int64_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m, groups_per_row);
+    LaunchKernel<T, true, false>(stream, grid, wide, xt, x_q, x_sf, m, groups_per_row);
   } else {
-    QuantizeFp8BlockwiseKernel<T, false, int64_t><<<grid, kThreads, 0, stream>>>(xt, x_q, x_sf, m, groups_per_row);
+    LaunchKernel<T, false, false>(stream, grid, wide, xt, x_q, x_sf, m, groups_per_row);
   }
   return cudaGetLastError();
 }
@@ -274,9 +305,9 @@ cudaError_t WithInputType(InputType type, Fn fn) {
 }  // namespace
 
 cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, const void* x, uint8_t* x_q,
-                                       float* x_sf, int64_t m, int64_t k, bool block_major_k) {
+                                       float* x_sf, int64_t m, int64_t k, bool block_major_k, bool swiglu) {
   return WithInputType(type, [&](auto tag) {
-    return Launch<decltype(tag)>(stream, x, x_q, x_sf, m, k, block_major_k);
+    return Launch<decltype(tag)>(stream, x, x_q, x_sf, m, k, block_major_k, swiglu);
   });
 }
 
