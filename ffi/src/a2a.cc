@@ -89,7 +89,7 @@ ffi::Error CheckCombineAttrs(const CombineAttrs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Shape checks and workspace geometry (shared by both platforms)
+// Geometry helpers (both ops, both platforms)
 // ---------------------------------------------------------------------------------------------------------------
 
 // The sync region: per op {epoch, block arrivals, spare, abort word or spare} uint64.
@@ -98,6 +98,10 @@ int64_t SyncBytes() { return 2 * kSyncWords * 8; }
 int64_t RowBytes(const ffi::AnyBuffer& b, int64_t leading) {
   return leading == 0 ? 0 : static_cast<int64_t>(b.size_bytes()) / leading;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch: shape checks and workspace geometry (both platforms), the CPU handler
+// ---------------------------------------------------------------------------------------------------------------
 
 // The call's shape with its attributes (DispatchAttrs): what the handlers work from.
 struct DispatchGeometry : DispatchAttrs {
@@ -236,10 +240,6 @@ void ComputeSlots(const int32_t* ids, int64_t t_count, int64_t top_k, int64_t nu
   }
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// CPU
-// ---------------------------------------------------------------------------------------------------------------
-
 // What a rank brings to a dispatch meeting: its inputs and the slots it numbered (send_slot, counts per rank).
 struct DispatchContribution {
   const uint8_t* x;
@@ -314,6 +314,10 @@ ffi::Error DispatchCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf
   meetings.Leave(ticket);
   return ffi::Error::Success();
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine: shape checks and workspace geometry (both platforms), the CPU handler
+// ---------------------------------------------------------------------------------------------------------------
 
 // The call's shape with its attributes (CombineAttrs).
 struct CombineGeometry : CombineAttrs {
@@ -455,7 +459,7 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// CUDA
+// CUDA: the launches of dispatch and combine
 // ---------------------------------------------------------------------------------------------------------------
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
@@ -467,10 +471,21 @@ uint32_t Signature16(const std::string& s) {
   return (h ^ (h >> 16)) & 0xFFFFu;
 }
 
-PeerBases Peers(const Workspace& ws, int group) {
-  PeerBases peers{};
-  for (int r = 0; r < ws.num_ranks; ++r) peers.base[r] = ws.base[group][r];
-  return peers;
+// The launch parameters both ops share: the decoded attributes, the group's peer table, this rank, the workspace's
+// timeout and this device's error word, and the call's signature.
+template <typename Params, typename Geometry>
+Params LaunchParams(const Geometry& g, const CallSite& site, int device, const std::string& signature) {
+  const Workspace& ws = *site.ws;
+  Params p{};
+  p.attrs = g;  // the decoded attributes, as checked
+  for (int r = 0; r < ws.num_ranks; ++r) p.peers.base[r] = ws.base[site.group][r];
+  p.me = site.rank;
+  p.num_ranks = static_cast<int>(g.num_ranks);
+  p.num_tokens = g.num_tokens;
+  p.timeout_ns = ws.timeout.count();
+  p.signature = Signature16(signature);
+  p.error = ws.cuda_error_dev[device];
+  return p;
 }
 
 ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_sf,
@@ -492,13 +507,7 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(recv_counts->typed_data(), 0, g.num_ranks * 4, stream));
     return ffi::Error::Success();
   }
-  Workspace& ws = *site.ws;
-  DispatchParams p{};
-  p.attrs = g;  // the decoded attributes, as checked
-  p.peers = Peers(ws, site.group);
-  p.me = site.rank;
-  p.num_ranks = static_cast<int>(g.num_ranks);
-  p.num_tokens = g.num_tokens;
+  auto p = LaunchParams<DispatchParams>(g, site, device, DispatchSignature(g));
   p.top_k = g.top_k;
   p.x_row = g.x_row;
   p.sf_row = g.sf_row;
@@ -512,12 +521,9 @@ ffi::Error DispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.recv_weights = recv_weights->typed_data();
   p.recv_counts = recv_counts->typed_data();
   p.send_slot = send_slot->typed_data();
-  p.timeout_ns = ws.timeout.count();
-  p.signature = Signature16(DispatchSignature(g));
-  p.error = ws.cuda_error_dev[device];
   ScopedDevice scoped(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(scoped.error());
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchDispatch(stream, ws.cuda_num_sms[device], p));
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchDispatch(stream, site.ws->cuda_num_sms[device], p));
   return ffi::Error::Success();
 }
 
@@ -530,13 +536,7 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
       e.failure())
     return e;
   if (g.num_tokens == 0) return ffi::Error::Success();
-  Workspace& ws = *site.ws;
-  CombineParams p{};
-  p.attrs = g;  // the decoded attributes, as checked
-  p.peers = Peers(ws, site.group);
-  p.me = site.rank;
-  p.num_ranks = static_cast<int>(g.num_ranks);
-  p.num_tokens = g.num_tokens;
+  auto p = LaunchParams<CombineParams>(g, site, device, CombineSignature(g));
   p.hidden = g.hidden;
   p.in_bytes = g.in_bytes;
   p.out_bytes = g.out_bytes;
@@ -544,12 +544,9 @@ ffi::Error CombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer e
   p.recv_counts = recv_counts.typed_data();
   p.send_slot = send_slot.typed_data();
   p.out = static_cast<uint8_t*>(out->untyped_data());
-  p.timeout_ns = ws.timeout.count();
-  p.signature = Signature16(CombineSignature(g));
-  p.error = ws.cuda_error_dev[device];
   ScopedDevice scoped(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(scoped.error());
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchCombine(stream, ws.cuda_num_sms[device], p));
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchCombine(stream, site.ws->cuda_num_sms[device], p));
   return ffi::Error::Success();
 }
 

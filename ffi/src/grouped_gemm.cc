@@ -221,27 +221,22 @@ ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
   ScopedDevice on(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   int sm_count = 0;
-  std::string error;
-  if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-      err != cudaSuccess) {
-    error = cudaGetErrorString(err);
-  } else {
-    GroupedGemmFp8Args args;
-    args.a = static_cast<const uint8_t*>(a.untyped_data());
-    args.a_sf = a_sf.typed_data();
-    args.b = static_cast<const uint8_t*>(b.untyped_data());
-    args.b_sf = b_sf.typed_data();
-    args.group_sizes = group_sizes.typed_data();
-    args.d = d->untyped_data();
-    args.num_groups = s.groups;
-    args.rows = s.rows;
-    args.n = s.n;
-    args.k = s.k;
-    args.masked = masked;
-    args.scratch = scratch->untyped_data();
-    args.scratch_bytes = static_cast<size_t>(scratch->element_count());
-    error = LaunchGroupedGemmFp8(stream, sm_count, args);
-  }
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  GroupedGemmFp8Args args;
+  args.a = static_cast<const uint8_t*>(a.untyped_data());
+  args.a_sf = a_sf.typed_data();
+  args.b = static_cast<const uint8_t*>(b.untyped_data());
+  args.b_sf = b_sf.typed_data();
+  args.group_sizes = group_sizes.typed_data();
+  args.d = d->untyped_data();
+  args.num_groups = s.groups;
+  args.rows = s.rows;
+  args.n = s.n;
+  args.k = s.k;
+  args.masked = masked;
+  args.scratch = scratch->untyped_data();
+  args.scratch_bytes = static_cast<size_t>(scratch->element_count());
+  const std::string error = LaunchGroupedGemmFp8(stream, sm_count, args);
   if (!error.empty()) return ffi::Error::Internal(std::string(kOp) + ": " + error);
   return ffi::Error::Success();
 }
@@ -422,26 +417,21 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
   ScopedDevice on(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   int sm_count = 0;
-  std::string error;
-  if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-      err != cudaSuccess) {
-    error = cudaGetErrorString(err);
-  } else {
-    GroupedGemmBf16Args args;
-    args.mode = static_cast<Bf16GemmMode>(mode);
-    args.a = a.untyped_data();
-    args.b = b.untyped_data();
-    args.group_sizes = group_sizes.typed_data();
-    args.d = d->untyped_data();
-    args.d_bf16 = d->element_type() == ffi::DataType::BF16;
-    args.num_groups = s.groups;
-    args.rows = s.rows;
-    args.n = s.n;
-    args.k = s.k;
-    args.scratch = scratch->untyped_data();
-    args.scratch_bytes = static_cast<size_t>(scratch->element_count());
-    error = LaunchGroupedGemmBf16(stream, sm_count, args);
-  }
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  GroupedGemmBf16Args args;
+  args.mode = static_cast<Bf16GemmMode>(mode);
+  args.a = a.untyped_data();
+  args.b = b.untyped_data();
+  args.group_sizes = group_sizes.typed_data();
+  args.d = d->untyped_data();
+  args.d_bf16 = d->element_type() == ffi::DataType::BF16;
+  args.num_groups = s.groups;
+  args.rows = s.rows;
+  args.n = s.n;
+  args.k = s.k;
+  args.scratch = scratch->untyped_data();
+  args.scratch_bytes = static_cast<size_t>(scratch->element_count());
+  const std::string error = LaunchGroupedGemmBf16(stream, sm_count, args);
   if (!error.empty()) return ffi::Error::Internal(std::string(kOpBf16) + ": " + error);
   return ffi::Error::Success();
 }
