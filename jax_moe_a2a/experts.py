@@ -687,7 +687,9 @@ def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   top_k = ids.shape[-1]
   valid = routing.valid_mask(ids, num_local_experts)
   key = jnp.where(valid, ids, num_local_experts).reshape(-1)
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  # The narrowest key that holds every expert id: a radix sort takes one pass per key byte.
+  narrow = jnp.uint8 if num_local_experts < 2**8 else jnp.uint16 if num_local_experts < 2**16 else jnp.int32
+  order = jnp.argsort(key.astype(narrow), stable=True).astype(jnp.int32)
   num = order.shape[0]
   pos = jnp.zeros((num,), jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32), unique_indices=True)
   group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]

@@ -403,10 +403,18 @@ def _router_probs(logits: jax.Array, config: MoEConfig) -> jax.Array:
   return scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
+def _router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+  """float32 ``x @ router``. bfloat16 operands are multiplied as they are (each product is exact in float32, and
+  the sums accumulate in float32: the float32 product up to summation order, in one tensor-core pass); other dtypes
+  in float32 at HIGHEST precision."""
+  if x.dtype == jnp.bfloat16 and router.dtype == jnp.bfloat16:
+    return jnp.dot(x, router, preferred_element_type=jnp.float32)
+  return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
 def _route(params, x, config: MoEConfig, axis_name):
   with jax.named_scope("router"):
-    logits = checkpoint_name(jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32),
-                                     precision=jax.lax.Precision.HIGHEST), "router_logits")
+    logits = checkpoint_name(_router_logits(x, params["router"]), "router_logits")
     topk_weights, topk_ids = routing.route(logits, config.router_config, params.get("router_bias"))
   with jax.named_scope("aux"):
     aux = {

@@ -531,3 +531,21 @@ def test_tensors_the_backward_needs_carry_checkpoint_names(path):
       params, x, ct)
   for name in plain[2]:
     np.testing.assert_array_equal(np.asarray(remat[2][name]), np.asarray(plain[2][name]))
+
+
+def test_bf16_router_logits_are_the_float32_product():
+  """bf16 x and router multiply in one bf16 pass accumulating in float32: every product is exact, so the logits are
+  the float64 product rounded by float32 summation alone, and their gradients reach x and the router."""
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((64, HIDDEN)), jnp.bfloat16)
+  router = jnp.asarray(rng.standard_normal((HIDDEN, EXPERTS)) / 16, jnp.bfloat16)
+  router_logits = moe._router_logits  # pylint: disable=protected-access
+  logits = router_logits(x, router)
+  assert logits.dtype == jnp.float32
+  want = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+  assert max_rel(logits, want) <= 1e-6
+  gx, gr = jax.grad(lambda x, r: jnp.sum(router_logits(x, r) ** 2), argnums=(0, 1))(x, router)
+  assert gx.dtype == jnp.bfloat16 and gr.dtype == jnp.bfloat16
+  g64 = 2 * want
+  assert max_rel(gx, g64 @ np.asarray(router, np.float64).T) <= 1e-2
+  assert max_rel(gr, np.asarray(x, np.float64).T @ g64) <= 1e-2
