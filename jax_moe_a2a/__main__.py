@@ -5,6 +5,8 @@
   report   the wire formats' payload and workspace bytes for a model shape, and a quantization check through
            the custom call and its pure-JAX twin
   bench    run a benchmark script of the repository's bench/ folder (e.g. ``bench quant``)
+  plan     expert parallelism over nodes on paper: bytes per link and predicted dispatch/combine times, flat
+           against two-level (``plan --help``)
 """
 
 from __future__ import annotations
@@ -82,6 +84,17 @@ def _bench(args: argparse.Namespace) -> int:
   return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+  from jax_moe_a2a import plan  # pylint: disable=import-outside-toplevel  (imports no jax)
+  ranks = [n * args.gpus_per_node for n in args.nodes]
+  bad = [r for r in ranks if args.experts % r]
+  if bad:
+    print(f"plan: --experts ({args.experts}) must be divisible by every nodes * gpus-per-node, got {bad}",
+          file=sys.stderr)
+    return 2
+  return plan.run(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
   from jax_moe_a2a import demo  # pylint: disable=import-outside-toplevel
   demo.simulate_cpu_devices()  # before anything imports jax
@@ -108,6 +121,21 @@ def main(argv=None) -> int:
   rep.add_argument("--mx-alignment", type=demo.int_in(32, multiple_of=32), default=None,
                    help="mxfp8 scale padding (multiple of 32)")
   rep.set_defaults(fn=_report)
+  pla = sub.add_parser("plan", help="bytes per link and predicted times over nodes: flat vs two-level")
+  pla.add_argument("--nodes", type=demo.positive_int, nargs="+", default=[2, 4, 8, 16], help="node counts")
+  pla.add_argument("--gpus-per-node", type=demo.positive_int, default=8)
+  pla.add_argument("--hidden", type=demo.positive_int, default=7168)
+  pla.add_argument("--top-k", type=demo.positive_int, default=8)
+  pla.add_argument("--experts", type=demo.positive_int, default=256)
+  pla.add_argument("--tokens", type=demo.positive_int, default=4096, help="tokens per GPU")
+  pla.add_argument("--wire", choices=["bf16", "fp8_blockwise"], default="fp8_blockwise")
+  pla.add_argument("--nic-gbps", type=demo.float_in(0.001), default=400.0,
+                   help="NIC line rate per GPU, Gb/s (assumed)")
+  pla.add_argument("--nic-efficiency", type=demo.float_in(0.01, 1.0), default=0.8,
+                   help="share of the line rate an exchange gets (assumed)")
+  pla.add_argument("--nic-latency-us", type=demo.float_in(0.0), default=20.0,
+                   help="fixed cost of one inter-node exchange, us (assumed)")
+  pla.set_defaults(fn=_plan)
   ben = sub.add_parser("bench", help="run bench/bench_<name>.py with the remaining arguments")
   ben.add_argument("name", help="benchmark name, e.g. quant")
   ben.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
