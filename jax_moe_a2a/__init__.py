@@ -30,7 +30,8 @@ _PUBLIC = {
     # Flax, and Hugging Face checkpoints
     "MoE": "flax_moe", "LinenMoE": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
     # the exchange
-    "Workspace": "workspace", "dispatch": "a2a", "combine": "a2a",
+    "Workspace": "workspace", "dispatch": "a2a", "combine": "a2a", "dispatch_two_level": "a2a",
+    "combine_two_level": "a2a",
     # routing
     "RouterConfig": "routing", "route": "routing", "INVALID_EXPERT": "routing",
     # expert math

@@ -5,7 +5,8 @@ expert ranks' results back and sums them per token. Both run per shard inside `j
 axis (the expert axis) of size ``num_ranks``; ``me`` is this shard's index on it. `wire_dispatch` is the layer's
 dispatch: encode to the wire format, dispatch, decode, with a straight-through gradient. How the cotangents of a
 dispatch travel back (one-sided or the twin's exchange) is decided in one place, `_rows_back_one_sided`, for both
-VJPs.
+VJPs. `dispatch_two_level` and `combine_two_level` run over an expert axis of nodes x GPUs: a `dispatch` between
+nodes on XLA's collectives, then one inside each node (one-sided with a workspace); combine in reverse.
 
 These functions are the exact twin of the one-sided NVLink custom call: the custom call must reproduce every
 output below bit for bit. The contract (DESIGN.md §3), per shard, with ``T = num_tokens`` (static), ``R =
@@ -570,6 +571,125 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Two levels: across nodes, then inside a node
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelHandle:
+  """The routing of one `dispatch_two_level`, consumed by `combine_two_level`; a pytree.
+
+  Attributes:
+    node: the `DispatchHandle` of the exchange between nodes (over the node axis, the twin's `all_to_all`).
+    local: the `DispatchHandle` of the dispatch inside the node (over the local axis; one-sided with a workspace).
+  """
+
+  node: DispatchHandle
+  local: DispatchHandle
+
+  @property
+  def num_tokens(self) -> int:
+    return self.node.num_tokens
+
+
+jax.tree_util.register_dataclass(TwoLevelHandle, data_fields=["node", "local"], meta_fields=[])
+
+
+def dispatch_two_level(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int,
+                       node_axis: Hashable, local_axis: Hashable, x_sf: Optional[jax.Array] = None,
+                       workspace: Optional[Workspace] = None,
+                       impl: str = "auto") -> tuple[DispatchResult, TwoLevelHandle]:
+  """`dispatch` over an expert axis of two levels: ``N`` nodes (``node_axis``) of ``G`` GPUs (``local_axis``).
+
+  Rank ``(n, g)`` (flat rank ``n * G + g``, as `dispatch` over ``(node_axis, local_axis)`` numbers them) holds
+  experts ``[(n * G + g) * L, (n * G + g + 1) * L)``, ``L = num_experts / (N * G)``; node n holds ``G * L``
+  of them. Two dispatches, each with the contract of `dispatch`:
+
+  1. **Between nodes**: `dispatch` over node_axis with ``num_experts`` (node n as the "rank" of experts
+     ``[n * G * L, (n + 1) * G * L)``), on the twin (`jax.lax.all_to_all`: NCCL on GPUs). A token crosses to
+     node n at most once, to the GPU with its own local index, with its ids as node-local ids (``id - n * G * L``,
+     `INVALID_EXPERT` for experts on other nodes) and its weights for those experts. Capacity: T per node pair.
+  2. **Inside the node**: the ``N * T`` rows received (``[N, T]`` flattened, padding rows routing nowhere) are
+     the tokens of `dispatch` over local_axis with ``G * L`` experts: one-sided with a workspace (created over
+     local_axis for ``capacity >= N * T``), else the twin. A row goes to each GPU of the node once.
+
+  Each (token, expert) assignment therefore arrives at the rank `dispatch` over the flat axis sends it to, with
+  the same row bits, local id and weight, in a different slot: received ``[s, j]`` is local source GPU s's slot
+  j of its ``N * T`` node-received rows. The node level's collectives all finish before the local call starts
+  (ordered by data, see `Workspace`).
+
+  Differentiable as `dispatch` is (the VJPs of the two levels, composed).
+
+  Args:
+    x, topk_ids, topk_weights, x_sf: as for `dispatch`, sharded over both axes on tokens.
+    num_experts: global expert count, a multiple of ``N * G``.
+    node_axis: the outer (node) mesh axis.
+    local_axis: the inner mesh axis, the GPUs of one node.
+    workspace: a `Workspace` over local_axis (one expert group per node) for the inner dispatch, or None.
+    impl: for the inner dispatch, as in `dispatch`.
+
+  Returns:
+    ``(result, handle)``: the `DispatchResult` of the inner dispatch (``[G, N * T, ...]`` per shard) and the
+    `TwoLevelHandle` that `combine_two_level` needs.
+
+  Raises:
+    ValueError: at trace time, as `dispatch`, and for num_experts not a multiple of ``N * G`` or a workspace over
+      another axis than local_axis.
+  """
+  op = "dispatch_two_level"
+  num_nodes = _axis_size(op, node_axis)
+  num_local = _axis_size(op, local_axis)
+  if node_axis == local_axis:
+    raise ValueError(f"{op}: node_axis and local_axis must be two mesh axes, got {node_axis!r} for both")
+  if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts <= 0 \
+      or num_experts % (num_nodes * num_local):
+    raise ValueError(f"{op}: num_experts must be a positive multiple of {num_nodes * num_local} (the sizes of "
+                     f"{node_axis!r} x {local_axis!r}), got {num_experts!r}")
+  if workspace is not None and isinstance(workspace, Workspace) and workspace.expert_axis != local_axis:
+    raise ValueError(f"{op}: workspace must be created over local_axis {local_axis!r} (one expert group per node), "
+                     f"got a workspace over {workspace.expert_axis!r}")
+  node, node_handle = dispatch(x, topk_ids, topk_weights, num_experts=num_experts, axis_name=node_axis, x_sf=x_sf,
+                               impl="reference")
+  rows = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])  # [N, T, ...] -> [N * T, ...]
+  x_in = rows(node.recv_x)
+  if workspace is not None:
+    x_in = after(x_in, node)
+  local, local_handle = dispatch(x_in, rows(node.recv_topk_ids), rows(node.recv_topk_weights),
+                                 num_experts=int(num_experts) // num_nodes, axis_name=local_axis,
+                                 x_sf=rows(node.recv_x_sf), workspace=workspace, impl=impl)
+  return local, TwoLevelHandle(node=node_handle, local=local_handle)
+
+
+def combine_two_level(expert_out: jax.Array, handle: TwoLevelHandle, *, out_dtype: Any = None) -> jax.Array:
+  """`combine` of a `dispatch_two_level`: inside the node first, then across nodes.
+
+  Contract: the inner `combine` (one-sided with the handle's workspace) gives each node-received row its float32
+  partial sum ``p[n]`` over the node's GPUs in ascending order; the partials cross back between nodes (the twin,
+  float32 rows) and token t gets ``out[t] = ((-0.0 + p[n0]) + p[n1]) + ...`` over the nodes ``n0 < n1 < ...`` it
+  was sent to, in float32, cast to out_dtype. Against `combine` over the flat axis this only regroups the same
+  float32 additions by node: bit for bit the same where a token's experts of each node sit on one GPU (a single
+  node, or one GPU per node, in particular), else within float32 rounding.
+
+  Differentiable in expert_out (the VJPs of the two levels, composed).
+
+  Args:
+    expert_out: ``[G, N * T, hidden]`` floating, indexed like `dispatch_two_level`'s received rows.
+    handle: the `TwoLevelHandle` of the matching `dispatch_two_level`.
+    out_dtype: dtype of the result, floating; default expert_out's dtype.
+
+  Returns:
+    ``[T, hidden]`` out_dtype.
+  """
+  if not isinstance(handle, TwoLevelHandle):
+    raise ValueError(f"combine_two_level: handle must be the TwoLevelHandle returned by dispatch_two_level, got "
+                     f"{type(handle).__name__}")
+  out_dtype = getattr(expert_out, "dtype", None) if out_dtype is None else out_dtype
+  partial = combine(expert_out, handle.local, out_dtype=jnp.float32)  # [N * T, hidden]
+  num_nodes, num_tokens = handle.node.num_ranks, handle.node.num_tokens
+  return combine(partial.reshape((num_nodes, num_tokens) + partial.shape[1:]), handle.node, out_dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The wire: encode, dispatch, decode (straight-through gradient)
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -585,6 +705,7 @@ class _WireStatic:
   x_dtype: Any  # of the tokens, and of their gradient
   impl: str
   workspace: Optional[Workspace] = None
+  two_level: bool = False  # axis_name is (node axis, local axis): dispatch_two_level
 
 
 def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
@@ -593,8 +714,13 @@ def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
       x_q, x_sf = quant.quantize_fp8_blockwise(x, impl=st.impl)
     else:
       x_q, x_sf = x.astype(jnp.bfloat16), None
-  res, handle = dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
-                         x_sf=x_sf, workspace=st.workspace, impl=st.impl)
+  if st.two_level:
+    node_axis, local_axis = st.axis_name
+    res, handle = dispatch_two_level(x_q, topk_ids, topk_weights, num_experts=st.num_experts, node_axis=node_axis,
+                                     local_axis=local_axis, x_sf=x_sf, workspace=st.workspace, impl=st.impl)
+  else:
+    res, handle = dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
+                           x_sf=x_sf, workspace=st.workspace, impl=st.impl)
   with jax.named_scope("wire_decode"):
     num_ranks, capacity, hidden = res.recv_x.shape
     if x_sf is not None:
@@ -614,14 +740,10 @@ def _wire(st, x, topk_ids, topk_weights):
   return _wire_forward(st, x, topk_ids, topk_weights)[0]
 
 
-def _wire_bwd(st, res, cts):
-  handle, recv_ids = res
-  ct_rows, _, ct_w, _, _, _ = cts
+def _back_to_sources(ct_rows, ct_w, handle: DispatchHandle):
+  """The received rows' and weights' float32 cotangents summed back at their source tokens over `handle`'s slots:
+  ``([T, hidden], [T, top_k])`` float32."""
   hidden = ct_rows.shape[-1]
-  # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
-  # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
-  # cotangent of the one rank holding its expert, as the VJP of dispatch does.
-  ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
   reference = dataclasses.replace(handle, workspace=None)
   rows = _rows_back_one_sided(ct_rows, handle.send_slot, handle.recv_counts, axis_name=handle.axis_name,
                               num_experts=handle.num_experts, workspace=handle.workspace)
@@ -629,9 +751,27 @@ def _wire_bwd(st, res, cts):
     # The weights' cotangents (top_k floats per row) take the reference path, after the rows by data (XLA:CPU
     # would otherwise run the two in any order, and a device inside the all_to_all waiting for a peer inside the
     # one-sided call deadlocks). Column for column the same float32 sums as the single payload below.
-    return rows.astype(st.x_dtype), None, combine(after(ct_w, rows), reference, out_dtype=jnp.float32)
+    return rows, combine(after(ct_w, rows), reference, out_dtype=jnp.float32)
   # One exchange for rows and weights, on the reference path.
   back = combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
+  return back[:, :hidden], back[:, hidden:]
+
+
+def _wire_bwd(st, res, cts):
+  handle, recv_ids = res
+  ct_rows, _, ct_w, _, _, _ = cts
+  # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
+  # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
+  # cotangent of the one rank holding its expert, as the VJP of dispatch does.
+  ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
+  if not st.two_level:
+    rows, w = _back_to_sources(ct_rows, ct_w, handle)
+    return rows.astype(st.x_dtype), None, w
+  # Two levels: back to the node-received rows inside the node, then across nodes in one float32 exchange.
+  rows, w = _back_to_sources(ct_rows, ct_w, handle.local)
+  hidden, num_nodes, num_tokens = rows.shape[-1], handle.node.num_ranks, handle.node.num_tokens
+  both = jnp.concatenate([rows, w], axis=-1).reshape(num_nodes, num_tokens, -1)
+  back = combine(both, dataclasses.replace(handle.node, workspace=None), out_dtype=jnp.float32)
   return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
 
 
@@ -640,7 +780,7 @@ _wire.defvjp(_wire_forward, _wire_bwd)
 
 def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
                   num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto",
-                  workspace: Optional[Workspace] = None):
+                  workspace: Optional[Workspace] = None, two_level: bool = False):
   """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
 
   The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
@@ -655,30 +795,39 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
     topk_weights: [num_tokens, top_k] float32.
     wire_format: one of `WIRE_FORMATS`.
     num_experts: global expert count, a multiple of the axis size.
-    axis_name: the expert mesh axis (or tuple of axes).
+    axis_name: the expert mesh axis (or tuple of axes); with two_level, the pair (node axis, local axis).
     dtype: dtype of the decoded rows.
     impl: passed to the quantization ops and to `a2a.dispatch`.
-    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin).
+    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin); with two_level, one
+      over the local axis.
+    two_level: dispatch with `dispatch_two_level` (across nodes, then inside each); the gradient then comes back
+      inside the node first and crosses nodes once, in float32.
 
   Returns:
     rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
     recv_topk_ids: [num_ranks, num_tokens, top_k] int32 local ids, -1 for none.
     recv_topk_weights: [num_ranks, num_tokens, top_k] float32.
     recv_counts: [num_ranks] int32.
-    handle: the `a2a.DispatchHandle` for `a2a.combine`.
+    handle: the `a2a.DispatchHandle` for `a2a.combine` (with two_level, the `TwoLevelHandle` for
+      `combine_two_level`).
   """
   return wire_dispatch_with_codes(x, topk_ids, topk_weights, wire_format=wire_format, num_experts=num_experts,
-                                  axis_name=axis_name, dtype=dtype, impl=impl, workspace=workspace)[:5]
+                                  axis_name=axis_name, dtype=dtype, impl=impl, workspace=workspace,
+                                  two_level=two_level)[:5]
 
 
 def wire_dispatch_with_codes(x, topk_ids, topk_weights, *, wire_format, num_experts, axis_name, dtype, impl,
-                             workspace):
+                             workspace, two_level=False):
   """`wire_dispatch`'s five results and, on an FP8 wire, the received (codes, scales) the rows were decoded from
   (else None)."""
   if wire_format not in WIRE_FORMATS:
     raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
+  if two_level and not (isinstance(axis_name, tuple) and len(axis_name) == 2):
+    raise ValueError(f"wire_dispatch: with two_level, axis_name must be the pair (node axis, local axis), got "
+                     f"{axis_name!r}")
   st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
-                   dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype), workspace=workspace)
+                   dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype), workspace=workspace,
+                   two_level=bool(two_level))
   with jax.named_scope("wire"):
     return _wire(st, x, topk_ids, topk_weights)
 

@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moe_a2a import _ffi, a2a, experts, layout, quant, routing
+from jax_moe_a2a import workspace as workspace_lib
 from jax_moe_a2a.workspace import Workspace
 
 # Mesh axis names of the default layout: tokens over (data, expert), experts over expert.
@@ -97,6 +98,10 @@ class MoEConfig:
     token_axes: mesh axes the token dimension of x is sharded over (in this order); x is replicated over the
       others. Empty: tokens replicated everywhere.
     expert_axis: mesh axis, or tuple of axes, that the experts and the dispatch are sharded over.
+    two_level: with an expert_axis of two axes ``(node, local)``: True dispatches in two levels
+      (`a2a.dispatch_two_level`: across nodes on XLA's collectives, then inside each node, one-sided with a
+      workspace over ``local``), False over the flat axis; None (default) picks two levels exactly when an expert
+      group spans devices that cannot map each other's memory (GPUs of several hosts: `uses_two_level`).
     tp_axis: optional mesh axis along which tokens arrive replicated (tensor parallelism); not in token_axes.
     sequence_parallel: each tp rank routes, dispatches and computes only its 1/tp slice of the tokens, and the
       slices are all-gathered at the end; needs tp_axis.
@@ -126,6 +131,7 @@ class MoEConfig:
   wire_format: str = layout.BF16
   token_axes: AxisNames = (DATA_AXIS, EXPERT_AXIS)
   expert_axis: AxisNames = EXPERT_AXIS
+  two_level: Optional[bool] = None
   tp_axis: Optional[str] = None
   sequence_parallel: bool = False
   num_shared_experts: int = 0
@@ -147,7 +153,7 @@ class MoEConfig:
         object.__setattr__(self, name, int(getattr(self, name)))
     if isinstance(self.routed_scaling_factor, np.floating):
       object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
-    for name in ("renormalize", "sequence_parallel", "fp8_weights", "shared_expert_gate"):
+    for name in ("renormalize", "sequence_parallel", "fp8_weights", "shared_expert_gate", "two_level"):
       if isinstance(getattr(self, name), np.bool_):
         object.__setattr__(self, name, bool(getattr(self, name)))
     for name in ("num_experts", "top_k", "hidden", "ffn", "n_group", "topk_group"):
@@ -165,6 +171,11 @@ class MoEConfig:
     object.__setattr__(self, "token_axes", _axes_tuple(op, "token_axes", self.token_axes, allow_empty=True))
     expert_axes = _axes_tuple(op, "expert_axis", self.expert_axis, allow_empty=False)
     object.__setattr__(self, "expert_axis", expert_axes[0] if len(expert_axes) == 1 else expert_axes)
+    if self.two_level is not None and not isinstance(self.two_level, bool):
+      raise ValueError(f"{op}: two_level must be None, True or False, got {self.two_level!r}")
+    if self.two_level and len(expert_axes) != 2:
+      raise ValueError(f"{op}: two_level=True needs expert_axis of two mesh axes (node, local), got "
+                       f"{self.expert_axis!r}")
     if self.tp_axis is not None:
       if not isinstance(self.tp_axis, str) or not self.tp_axis:
         raise ValueError(f"{op}: tp_axis must be None or a mesh axis name, got {self.tp_axis!r}")
@@ -237,6 +248,20 @@ def resolve_mesh(op: str, mesh: Optional[Mesh]) -> Mesh:
     if not isinstance(mesh, Mesh) or mesh.empty:
       raise ValueError(f"{op}: mesh must be given, or set with jax.set_mesh(mesh), got neither")
   return mesh
+
+
+def uses_two_level(config: MoEConfig, mesh: Mesh) -> bool:
+  """Whether the layer dispatches in two levels on `mesh` (`MoEConfig.two_level`; None: when the expert axis is
+  two axes and one of its groups spans devices that cannot map each other's memory,
+  `workspace.groups_span_domains`)."""
+  if config.two_level is not None:
+    return config.two_level
+  return len(config.expert_axes) == 2 and workspace_lib.groups_span_domains(mesh, config.expert_axis)
+
+
+def _workspace_axis(config: MoEConfig, two_level: bool):
+  """The axis the layer's workspace spans: the local axis of a two-level layer, else the expert axis."""
+  return config.expert_axes[1] if two_level else config.expert_axis
 
 
 def _mesh_axes(op: str, config: MoEConfig, mesh: Mesh) -> dict[str, int]:
@@ -507,7 +532,7 @@ def _joined_bwd(_, cts):
 _joined.defvjp(_joined_fwd, _joined_bwd)
 
 
-def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace]):
+def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_level: bool):
   """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
   if workspace is not None:
     params, x = _joined((params, x))  # the inputs' psums in the backward come last
@@ -526,7 +551,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace]):
     aux, topk_weights = _ordered(aux, topk_weights)
   rows, recv_ids, recv_w, _, handle, codes = a2a.wire_dispatch_with_codes(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
-      axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace)
+      axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace, two_level=two_level)
   rows = checkpoint_name(rows, "dispatched_rows")
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), wire_codes=codes,
@@ -534,7 +559,8 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace]):
                                       impl=config.impl)
   # Combine sums in float32 and rounds once to its out_dtype: straight to x's dtype where nothing is added after.
   direct = not config.num_shared_experts and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-  y = a2a.combine(expert_out, handle, out_dtype=x_dtype if direct else jnp.float32)
+  combine = a2a.combine_two_level if two_level else a2a.combine
+  y = combine(expert_out, handle, out_dtype=x_dtype if direct else jnp.float32)
   if config.num_shared_experts:
     with jax.named_scope("shared_experts"):
       y = y + _shared_experts(params, x, config, dtype)
@@ -571,8 +597,13 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[Workspace]):
+  two_level = uses_two_level(config, mesh)
   if isinstance(workspace, Workspace):
-    workspace.check_mesh("moe_apply", mesh, config.expert_axis)  # the calls check it too, when lowered
+    axis = _workspace_axis(config, two_level)
+    if two_level and workspace.expert_axis != axis:
+      raise ValueError(f"moe_apply: a two-level layer needs a workspace over its local axis {axis!r} "
+                       f"(make_workspace), got one over {workspace.expert_axis!r}")
+    workspace.check_mesh("moe_apply", mesh, axis)  # the calls check it too, when lowered
   tok = config.token_axes or None
   x_spec = P(tok, *([None] * (x.ndim - 1)))
   specs = param_specs(config)
@@ -580,7 +611,7 @@ def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[Wor
   # through an all_to_all, is typed as varying over tp; there is no cast from varying to replicated. With
   # check_vma off, shard_map's transpose divides replicated outputs' cotangents by the replica count and sums
   # replicated inputs' cotangents over the replicas, which is exact for a layer whose replicas agree.
-  fn = jax.shard_map(functools.partial(_body, config=config, workspace=workspace), mesh=mesh,
+  fn = jax.shard_map(functools.partial(_body, config=config, workspace=workspace, two_level=two_level), mesh=mesh,
                      in_specs=({name: specs[name] for name in params}, x_spec),
                      out_specs=(x_spec, P(), P(None)), check_vma=False)
   y, loss, load = fn(dict(params), x)
@@ -662,7 +693,8 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
 
   Sized for one shard's dispatch: num_tokens over the token sharding (and over tp under sequence parallelism),
   the wire format and top_k of the config, and expert outputs in the compute dtype; with ``training``, room for
-  the rows of combine's VJP too, so that it is one-sided whatever the wire format (`Workspace`).
+  the rows of combine's VJP too, so that it is one-sided whatever the wire format (`Workspace`). A two-level
+  layer (`uses_two_level`) gets one over its local axis, one expert group per node, holding the rows of every node.
   mesh None: the mesh set with ``jax.set_mesh``. Close it when done.
   """
   mesh = resolve_mesh("make_workspace", mesh)
@@ -672,9 +704,12 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
   capacity = num_tokens // shards
   if config.sequence_parallel:
     capacity //= sizes[config.tp_axis]
-  return Workspace(mesh, expert_axis=config.expert_axis, capacity=max(capacity, 1), hidden=config.hidden,
-                   top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s,
-                   training=training)
+  two_level = uses_two_level(config, mesh)
+  if two_level:  # the local dispatch takes the rows of every node
+    capacity *= sizes[config.expert_axes[0]]
+  return Workspace(mesh, expert_axis=_workspace_axis(config, two_level), capacity=max(capacity, 1),
+                   hidden=config.hidden, top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype,
+                   timeout_s=timeout_s, training=training)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ IPC handles across processes), and says which calls fit it (`fits_dispatch_rows`
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
 from typing import Any, Hashable, Optional
 
 import jax
@@ -15,6 +18,45 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_a2a import _ffi, layout
+
+
+# The host a process runs on, for which devices can map each other's memory: this variable when set (e.g. to tell
+# apart containers that share a host name), else the host name.
+HOST_ENV = "JAX_MOE_A2A_HOST"
+
+
+@functools.cache
+def process_hosts() -> tuple[str, ...]:
+  """The host of every process, by process index: ``$JAX_MOE_A2A_HOST`` or the host name of each, exchanged once
+  through JAX's distributed key-value store (every process must call this, in the same order as its other
+  exchanges: `Workspace` creation and the layer's tracing do)."""
+  mine = os.environ.get(HOST_ENV) or socket.gethostname()
+  if jax.process_count() == 1:
+    return (mine,)
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jax_moe_a2a: devices of several processes need jax.distributed.initialize() first")
+  client.key_value_set(f"jax_moe_a2a/host/{jax.process_index()}", mine)
+  return tuple(client.blocking_key_value_get(f"jax_moe_a2a/host/{p}", 60_000) for p in range(jax.process_count()))
+
+
+def _memory_domain(d: Any) -> tuple:
+  """Devices of one domain can map each other's memory: GPUs of one host (peer access, CUDA IPC), CPU devices of
+  one process (the process-wide meeting point)."""
+  if d.platform == "gpu":
+    return ("host", process_hosts()[d.process_index])
+  return ("process", d.process_index)
+
+
+def groups_span_domains(mesh: jax.sharding.Mesh, expert_axis: Hashable) -> bool:
+  """Whether some expert group of ``mesh`` over ``expert_axis`` holds devices that cannot map each other's memory
+  (GPUs of several hosts, CPU devices of several processes): such a group needs a two-level expert axis."""
+  axes = expert_axis if isinstance(expert_axis, tuple) else (expert_axis,)
+  groups = _expert_groups(mesh, axes)
+  if len({d.process_index for d in groups.flat}) == 1:
+    return False
+  return any(len({_memory_domain(d) for d in g}) > 1 for g in groups)
 
 
 def _describe(a: Any) -> str:
@@ -139,12 +181,24 @@ class Workspace:
     if len(platforms) != 1:
       raise ValueError(f"Workspace: the mesh must hold devices of one platform, got {sorted(platforms)}")
     self.platform = platforms.pop()
+    for g in groups:
+      domains = [_memory_domain(d) for d in g]
+      if len(set(domains)) > 1:
+        where = ", ".join(f"device {d.id} on {kind} {name}" for d, (kind, name) in zip(g, domains))
+        raise ValueError(
+            f"Workspace: the devices of an expert group must be able to map each other's memory (GPUs of one host, "
+            f"CPU devices of one process), got the group over {expert_axis!r}: {where}. Give the expert axis as two "
+            f"mesh axes, (node, local) with local inside one host, and create the workspace over the local axis: "
+            f"MoEConfig(expert_axis=(node, local), two_level=True) with make_workspace, or a2a.dispatch_two_level")
     me = jax.process_index()
     self._local_devices = frozenset(d for d in groups.flat if d.process_index == me)
     local = lambda d: d.process_index == me
-    # Local device ordinal, or -1 for a device of another process (its block is mapped through CUDA IPC).
-    ordinals = [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id) if local(d) else -1
-                 for d in g] for g in groups]
+    # The groups this process takes part in (a group of other processes only, e.g. another node's, is theirs), as
+    # the device ordinals the handlers see (a GPU's local ordinal, a CPU device's id), or -1 for a device of
+    # another process (its block is mapped through CUDA IPC).
+    groups = groups[[any(local(d) for d in g) for g in groups]]
+    ordinal = lambda d: int(d.id if self.platform == "cpu" or d.local_hardware_id is None else d.local_hardware_id)
+    ordinals = [[ordinal(d) if local(d) else -1 for d in g] for g in groups]
     self._id: Optional[int] = int(_ffi.extension().workspace_create(
         self.platform, ordinals, self.layout.total_bytes, int(self.timeout_s * 1e9)))
     if not all(local(d) for d in groups.flat):
@@ -174,8 +228,6 @@ class Workspace:
     client = distributed.global_state.client
     if client is None:
       raise RuntimeError("Workspace: devices of other processes need jax.distributed.initialize() first")
-    if self.platform != "gpu":
-      raise ValueError("Workspace: an expert group spanning processes needs GPUs")
     Workspace._sequence += 1
     key = lambda d: f"jax_moe_a2a/workspace{Workspace._sequence}/device{d.id}"
     handles = _ffi.extension().workspace_ipc_handles(self._id)
@@ -185,8 +237,6 @@ class Workspace:
           client.key_value_set(key(d), handles[ordinals[g][r]].hex())
     peers = {}
     for g, group in enumerate(groups):
-      if all(o < 0 for o in ordinals[g]):
-        continue  # a group of other processes only
       for r, d in enumerate(group):
         if ordinals[g][r] < 0:
           peers[(g, r)] = bytes.fromhex(client.blocking_key_value_get(key(d), int(self.timeout_s * 1000)))
