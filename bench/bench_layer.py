@@ -18,6 +18,9 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
   fp8_bf16wire   the same on a bf16 wire
   fp8_stored     stored FP8 weights (inference; forward only), fp8_blockwise wire
   <variant>_ws   the same with a one-sided workspace (moe.make_workspace(training=True))
+  <variant>_2l   the same dispatched in two levels (MoEConfig.two_level) over ("data", "expert"): the exchange
+                 between nodes (here the data axis, of size 1 on one host) on XLA's collectives, then the one inside
+                 the node; what two levels cost over the flat path where no token leaves the node
 
 Forward+backward is the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and x.
 
@@ -53,6 +56,7 @@ from jax_moe_a2a.testing import calc_diff  # noqa: E402
 
 BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_bf16wire", "fp8_stored")
 VARIANTS = BASE_VARIANTS + tuple(v + "_ws" for v in BASE_VARIANTS[2:])
+VARIANTS += tuple(v + "_2l" for v in VARIANTS[1:])
 DEFAULT_VARIANTS = ("einsum", "twin", "bf16", "bf16_ws", "fp8", "fp8_ws", "fp8_stored", "fp8_stored_ws")
 # Stage scopes, innermost first wins: an op is attributed to the last of these names in its op_name path.
 STAGES = ("router", "aux", "wire_encode", "moe_dispatch", "wire_decode", "permute", "experts", "unpermute",
@@ -65,9 +69,12 @@ STAGES = ("router", "aux", "wire_encode", "moe_dispatch", "wire_decode", "permut
 
 
 def _config(variant: str, args) -> moe.MoEConfig:
-  base = variant[:-3] if variant.endswith("_ws") else variant
+  two_level = variant.endswith("_2l")
+  base = variant[:-3] if two_level else variant
+  base = base[:-3] if base.endswith("_ws") else base
   fp8 = base.startswith("fp8")
   return moe.MoEConfig(
+      expert_axis=("data", "expert") if two_level else "expert", two_level=two_level or None,
       num_experts=args.local_experts * jax.device_count(), top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
       wire_format="bf16" if base in ("bf16", "twin", "fp8_bf16wire") else "fp8_blockwise",
       fp8_weights=base == "fp8_stored", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
@@ -78,7 +85,7 @@ def _layer_fns(variant: str, args, mesh, tokens: int):
   """(forward, forward+backward or None, make inputs, workspace or None) of one layer variant."""
   config = _config(variant, args)
   num_tokens = tokens * jax.device_count()
-  ws = moe.make_workspace(config, mesh, num_tokens, training=True) if variant.endswith("_ws") else None
+  ws = moe.make_workspace(config, mesh, num_tokens, training=True) if "_ws" in variant else None
   params = moe.init_params(jax.random.key(0), config, mesh)
   x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(config.token_axes, None))
   trainable = {k: v for k, v in params.items() if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize >= 2

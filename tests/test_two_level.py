@@ -13,7 +13,7 @@ What must hold (a2a.dispatch_two_level, a2a.combine_two_level):
   within float32 rounding.
 """
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +191,7 @@ def _layer_run(config, mesh, workspace):
   params, x, ct = test_moe._inputs(config, mesh)  # pylint: disable=protected-access
   got = test_moe._value_and_grads(  # pylint: disable=protected-access
       lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace))(params, x, ct)
-  oracle_config = test_moe.dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
+  oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
                                                expert_axis="expert", two_level=None, gemm_impl=None)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   want = test_moe._oracle_fn(oracle_config)(*jax.device_put((params, x, ct), one))  # pylint: disable=protected-access
@@ -223,6 +223,21 @@ def test_layer_with_fp8_wire_and_fp8_experts():
     got, want = _layer_run(config, mesh, ws)
     test_moe._assert_calc_diff(got, want, test_moe.FP8_EXPERTS_CALC_DIFF)  # pylint: disable=protected-access
     ws.check()
+
+
+def test_one_node_gives_the_flat_layers_bits():
+  """A node axis of size 1: the node level moves every token to itself and each partial sum is the whole sum, so
+  the two-level layer equals the flat one bit for bit, forward and gradients (one-sided calls on CPU)."""
+  mesh = _mesh((1, 8))
+  two = _layer_config(wire_format="fp8_blockwise", dtype=jnp.bfloat16)
+  flat = dataclasses.replace(two, two_level=False)
+  params, x, ct = test_moe._inputs(two, mesh)  # pylint: disable=protected-access
+  run = lambda config, ws: jax.tree.map(np.asarray, test_moe._value_and_grads(  # pylint: disable=protected-access
+      lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=ws))(params, x, ct))
+  with moe.make_workspace(two, mesh, test_moe.TOKENS, training=True) as ws_two, \
+      moe.make_workspace(flat, mesh, test_moe.TOKENS, training=True) as ws_flat:
+    for a, b in zip(jax.tree.leaves(run(two, ws_two)), jax.tree.leaves(run(flat, ws_flat))):
+      np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
 
 
 def test_one_process_picks_the_flat_path():
@@ -301,3 +316,35 @@ def test_a_workspace_over_devices_that_cannot_map_each_other_is_refused(monkeypa
     Workspace(mesh, expert_axis=AXES, capacity=4, hidden=HIDDEN, top_k=TOP_K)
   # Over the local axis every group lies in one domain.
   Workspace(mesh, expert_axis="local", capacity=4, hidden=HIDDEN, top_k=TOP_K).close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
+  """Every GPU of this host as one node (a node axis of size 1), FP8 wire and FP8 experts, forward and every
+  gradient: the two-level layer on its one-sided workspace gives the flat layer's bits (one node: the node
+  level moves every token to itself, and each float32 partial sum is the whole sum) and the two-level twin's."""
+  n = len(jax.devices())
+  mesh = Mesh(np.asarray(jax.devices()).reshape(1, n), AXES)
+  base = dict(num_experts=32 * n, top_k=8, hidden=2048, ffn=1024, wire_format="fp8_blockwise", gemm_impl="ffi",
+              dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, expert_axis=AXES, token_axes=AXES)
+  two, flat = moe.MoEConfig(**base, two_level=True), moe.MoEConfig(**base, two_level=False)
+  tokens = 4096 * n
+  params = moe.init_params(jax.random.key(0), two, mesh)
+  sharding = NamedSharding(mesh, P(AXES))
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (tokens, base["hidden"]), jnp.bfloat16), sharding)
+  ct = jax.device_put(jax.random.normal(jax.random.key(2), (tokens, base["hidden"]), jnp.float32), sharding)
+  run = lambda config, ws: jax.tree.map(np.asarray, test_moe._value_and_grads(  # pylint: disable=protected-access
+      lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=ws))(params, x, ct))
+  with moe.make_workspace(two, mesh, tokens, training=True) as ws_two, \
+      moe.make_workspace(flat, mesh, tokens, training=True) as ws_flat:
+    got = run(two, ws_two)
+    for want in (run(flat, ws_flat), run(two, None)):
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+    ws_two.check()
+    ws_flat.check()
