@@ -19,15 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import a2a, moe
+from jax_moe_a2a import _ffi, a2a, flax_moe, moe
 from jax_moe_a2a import workspace as workspace_lib
 from jax_moe_a2a.testing import max_rel
 from jax_moe_a2a.workspace import Workspace
 
-import test_moe
+import test_moe  # the layer tests' inputs, oracle and tolerances
 
 AXES = ("node", "local")
 TOKENS, HIDDEN, TOP_K, LOCAL_EXPERTS = 6, 128, 3, 2
@@ -238,6 +239,22 @@ def test_one_node_gives_the_flat_layers_bits():
       moe.make_workspace(flat, mesh, test_moe.TOKENS, training=True) as ws_flat:
     for a, b in zip(jax.tree.leaves(run(two, ws_two)), jax.tree.leaves(run(flat, ws_flat))):
       np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+
+
+def test_flax_layer_runs_two_levels_on_a_workspace_over_the_local_axis(monkeypatch):
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn impl="auto" into the twin
+  config = _layer_config()
+  mesh = _mesh((2, 4))
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (test_moe.TOKENS, test_moe.HIDDEN)),
+                     NamedSharding(mesh, P(AXES)))
+  y = nnx.jit(lambda layer, x: layer(x)[0])(layer, x)
+  (ws,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
+  assert ws.expert_axis == "local"
+  y_twin = moe.moe_apply(layer.params(), x, config, mesh)[0]
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_twin))
+  ws.check()
+  flax_moe.close_workspaces()
 
 
 def test_one_process_picks_the_flat_path():
