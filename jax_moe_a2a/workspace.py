@@ -74,7 +74,8 @@ class Workspace:
   region, flags and epochs, twice (calls alternate buffers), with peer access enabled between the GPUs of an
   expert group when one process drives them; with one process per GPU (`jax.distributed`) each process allocates
   its own blocks and maps its peers' through CUDA IPC handles exchanged in JAX's distributed key-value store
-  (every process must then create its workspaces in the same order). Each GPU runs its calls in program order,
+  (every process must then create its workspaces in the same order). A process sets up only the groups holding
+  one of its devices (with a two-level axis, its node's). Each GPU runs its calls in program order,
   so the calls of a group pair up in that order. On CPU the simulated devices of a group meet at a process-wide
   meeting point, once per call: every call carries a trace-time call-site id, so calls pair up by site (and by
   occurrence, in loops) whatever order XLA:CPU runs a device's independent ops in, and each rank reads what it
@@ -112,7 +113,9 @@ class Workspace:
   Raises:
     TypeError: mesh is not a `jax.sharding.Mesh`.
     ValueError: any other argument of the wrong type or out of range, before anything reaches the extension; the
-      message names the argument, what it accepts and the value.
+      message names the argument, what it accepts and the value. An expert group whose devices cannot map each
+      other's memory (GPUs of several hosts, CPU devices of several processes): the message names each device's
+      host or process and says to use a two-level expert axis (`a2a.dispatch_two_level`).
     RuntimeError: the extension could not create the workspace (e.g. device memory).
   """
 
