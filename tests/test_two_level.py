@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from conftest import devices
 from jax_moe_a2a import _ffi, a2a, flax_moe, moe
 from jax_moe_a2a import workspace as workspace_lib
-from jax_moe_a2a.testing import max_rel
+from jax_moe_a2a.testing import calc_diff, max_rel
 from jax_moe_a2a.workspace import Workspace
 
 import test_moe  # the layer tests' inputs, oracle and tolerances
@@ -344,7 +344,11 @@ def test_a_workspace_over_devices_that_cannot_map_each_other_is_refused(monkeypa
 def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
   """Every GPU of this host as one node (a node axis of size 1), FP8 wire and FP8 experts, forward and every
   gradient: the two-level layer on its one-sided workspace gives the flat layer's bits (one node: the node
-  level moves every token to itself, and each float32 partial sum is the whole sum) and the two-level twin's."""
+  level moves every token to itself, and each float32 partial sum is the whole sum) and the two-level twin's.
+
+  Except where XLA's own dots take part: the router's and x's gradients come from XLA GEMMs whose algorithm
+  (split-K in particular) the autotuner picks per program, so across two programs they agree within float32
+  summation order, calc_diff <= 1e-6 (measured: up to 7 bf16 ulps in 0.07 % of the router gradient)."""
   n = len(jax.devices())
   mesh = Mesh(np.asarray(jax.devices()).reshape(1, n), AXES)
   base = dict(num_experts=32 * n, top_k=8, hidden=2048, ffn=1024, wire_format="fp8_blockwise", gemm_impl="ffi",
@@ -360,8 +364,16 @@ def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
   with moe.make_workspace(two, mesh, tokens, training=True) as ws_two, \
       moe.make_workspace(flat, mesh, tokens, training=True) as ws_flat:
     got = run(two, ws_two)
-    for want in (run(flat, ws_flat), run(two, None)):
-      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+    problems = []
+    for label, want in (("flat", run(flat, ws_flat)), ("twin", run(two, None))):
+      for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        name = jax.tree_util.keystr(path)
+        same = np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+        d = 0.0 if same else calc_diff(a, b)
+        print(f"{label} {name}: {'bits equal' if same else f'calc_diff {d:.2e}'}")
+        xla_dot = name in ("[2]['router']", "[2]['x']")
+        if not same and not (xla_dot and d <= 1e-6):
+          problems.append(f"{label} {name}: calc_diff {d:.2e}")
+    assert not problems, problems
     ws_two.check()
     ws_flat.check()
