@@ -348,7 +348,8 @@ def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
 
   Except where XLA's own dots take part: the router's and x's gradients come from XLA GEMMs whose algorithm
   (split-K in particular) the autotuner picks per program, so across two programs they agree within float32
-  summation order, calc_diff <= 1e-6 (measured: up to 7 bf16 ulps in 0.07 % of the router gradient)."""
+  summation order, calc_diff <= 1e-6 (measured on one H200: 1.1e-9 and 6.9e-11 against the twin; bit for bit
+  against the flat layer)."""
   n = len(jax.devices())
   mesh = Mesh(np.asarray(jax.devices()).reshape(1, n), AXES)
   base = dict(num_experts=32 * n, top_k=8, hidden=2048, ffn=1024, wire_format="fp8_blockwise", gemm_impl="ffi",
