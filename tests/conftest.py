@@ -1,6 +1,9 @@
 """Test set-up: eight simulated CPU devices, unless a GPU run asks for real devices."""
 
 import os
+import socket
+import subprocess
+import sys
 
 if os.environ.get("JAX_MOE_A2A_TEST_GPU", "0") != "1":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,6 +11,8 @@ if os.environ.get("JAX_MOE_A2A_TEST_GPU", "0") != "1":
 
 import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402
+
+import jax_moe_a2a  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -33,3 +38,29 @@ def devices(n: int) -> list:
   if len(have) < n:
     pytest.skip(f"needs {n} devices, {len(have)} visible")
   return have[:n]
+
+
+def run_workers(script: str, num_processes: int, env: dict, timeout_s: float) -> None:
+  """Runs ``tests/<script> PROCESS_ID NUM_PROCESSES PORT`` once per process (a jax.distributed job on a free local
+  port, this checkout's package first on the path, `env` over this environment) and asserts that each exits 0
+  printing "OK <process id>"; a worker past `timeout_s` is killed with the others."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_moe_a2a.__file__)))
+  env = dict(os.environ, **env)
+  env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+  procs = [subprocess.Popen([sys.executable, worker, str(i), str(num_processes), str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(num_processes)]
+  outputs = []
+  for p in procs:
+    try:
+      outputs.append(p.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      outputs.append(p.communicate()[0] + f"\n(killed after {timeout_s} s)")
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0 and f"OK {i}" in out, f"process {i} (exit {p.returncode}):\n{out[-4000:]}"
