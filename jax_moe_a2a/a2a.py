@@ -645,7 +645,7 @@ def dispatch_two_level(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
       or num_experts % (num_nodes * num_local):
     raise ValueError(f"{op}: num_experts must be a positive multiple of {num_nodes * num_local} (the sizes of "
                      f"{node_axis!r} x {local_axis!r}), got {num_experts!r}")
-  if workspace is not None and isinstance(workspace, Workspace) and workspace.expert_axis != local_axis:
+  if isinstance(workspace, Workspace) and workspace.expert_axis != local_axis:
     raise ValueError(f"{op}: workspace must be created over local_axis {local_axis!r} (one expert group per node), "
                      f"got a workspace over {workspace.expert_axis!r}")
   node, node_handle = dispatch(x, topk_ids, topk_weights, num_experts=num_experts, axis_name=node_axis, x_sf=x_sf,
