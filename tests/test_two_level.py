@@ -246,13 +246,15 @@ def test_flax_layer_runs_two_levels_on_a_workspace_over_the_local_axis(monkeypat
   config = _layer_config()
   mesh = _mesh((2, 4))
   layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
-  x = jax.device_put(jax.random.normal(jax.random.key(1), (test_moe.TOKENS, test_moe.HIDDEN)),
-                     NamedSharding(mesh, P(AXES)))
+  x = jax.random.normal(jax.random.key(1), (test_moe.TOKENS, test_moe.HIDDEN)).astype(jnp.bfloat16)
+  x = jax.device_put(x.astype(jnp.float32), NamedSharding(mesh, P(AXES)))  # bf16-exact: a lossless wire
   y = nnx.jit(lambda layer, x: layer(x)[0])(layer, x)
   (ws,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
   assert ws.expert_axis == "local"
-  y_twin = moe.moe_apply(layer.params(), x, config, mesh)[0]
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_twin))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(moe.moe_apply(layer.params(), x, config, mesh,
+                                                                        workspace=ws)[0]))
+  y_ref = jax.jit(moe.moe_dense_reference, static_argnums=2)(layer.params(), x, config)[0]
+  assert max_rel(y, y_ref) <= test_moe.F32_TOL
   ws.check()
   flax_moe.close_workspaces()
 
