@@ -317,6 +317,13 @@ def test_dispatch_two_level_refuses_a_workspace_over_another_axis():
       _trace_two_level(mesh, workspace=ws)
 
 
+def test_the_wire_in_two_levels_needs_an_axis_pair():
+  with pytest.raises(ValueError, match=r"with two_level, axis_name must be the pair \(node axis, local axis\), got "
+                                       r"'local'"):
+    a2a.wire_dispatch(jnp.zeros((4, HIDDEN)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2)), wire_format="bf16",
+                      num_experts=8, axis_name="local", two_level=True)
+
+
 def test_combine_two_level_needs_its_handle():
   with pytest.raises(ValueError, match=r"handle must be the TwoLevelHandle returned by dispatch_two_level, got "
                                        r"DispatchHandle"):
