@@ -516,33 +516,104 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
                   weights.w_down, weights.w_down_sf)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The stage's expert pass in one VJP: expand -> grouped MLP -> weighted sum, saving neither copy of top_k rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _PassStatic:
+  fp8: Optional[_Fp8MlpStatic]  # FP8 experts (their settings), or None for the bf16 grouped GEMMs
+  impl: str  # the bf16 experts' GEMMs and row moves; with FP8 experts, the weighted sum's gather and sum
+  rows_dtype: Any  # the received rows' dtype: their cotangent's
+  w_dtypes: Optional[tuple[Any, Any]]  # float weights' dtypes (their cotangents'); None for FP8 weights
+  out_dtype: Any
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp_fp8_rows(st: _Fp8MlpStatic, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  """`swiglu_mlp_fp8` of ``rows[perm.src_row]``, the rows quantized (1x128) before they are expanded to one per
-  assignment: the same codes, top_k times fewer rows to quantize, and FP8 rather than float rows permuted. With
-  ``codes`` (E4M3 rows and their 1x128 scales, what the rows were decoded from), those are used instead of
-  quantizing the rows, whose values are then not read (only their gradient is made). The gradient of the rows is
-  the expansion's (a sum over each row's assignments)."""
-  return _mlp_fp8_rows_fwd(st, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+def _expert_pass(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  """Per row, ``sum_k topk_weights[row, k] * mlp_k(rows[row])`` over its valid assignments (float32, ascending k):
+  the rows expanded to one per assignment (`_expand_rows`), the grouped MLP (bf16: `swiglu_mlp_bf16`; FP8: the
+  rows quantized 1x128 before they are expanded, or ``codes`` used as they are), the weighted sum (`_reduce_rows`).
+
+  Saved for the backward pass: the rows once (bfloat16, or their FP8 codes and scales: not their top_k expanded
+  copies, which the backward expands again) and the gate/up rows; not the expert outputs. The routing weights'
+  gradient ``<ct[row], y_k>`` is taken as ``<act_k, ct[row] @ w_down>`` from the data gradient's own product, so
+  the backward runs the same four grouped GEMMs as `_mlp_backward_bf16`, on the unweighted cotangent rows with the
+  weight applied to act (for dw_down) and to d_act (for the rest). Gradients of the FP8 experts are
+  straight-through, as in `swiglu_mlp_fp8`."""
+  return _expert_pass_fwd(st, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
 
 
-def _mlp_fp8_rows_fwd(st, rows, codes, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  q, q_sf = _quantize_rows(rows, st.impl) if codes is None else codes
+def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   pos = perm.pos.reshape(perm.valid.shape)
-  y, res = _mlp_fp8_fwd(dataclasses.replace(st, x_dtype=None), row_ops.scatter_rows(q, pos, impl=st.impl),
-                        row_ops.scatter_rows(q_sf, pos, impl=st.impl),
-                        perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
-  return y, (res, perm)
+  if st.fp8 is not None:
+    mlp_impl = st.fp8.impl
+    with jax.named_scope("permute"):
+      q, q_sf = _quantize_rows(rows, mlp_impl) if codes is None else codes
+      a, a_sf = row_ops.scatter_rows(q, pos, impl=mlp_impl), row_ops.scatter_rows(q_sf, pos, impl=mlp_impl)
+    with jax.named_scope("experts"):
+      y, (_, _, h, _, w_bwd) = _mlp_fp8_fwd(dataclasses.replace(st.fp8, x_dtype=None), a, a_sf, perm.group_sizes,
+                                            w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+    saved_rows = (q, q_sf)
+  else:
+    with jax.named_scope("permute"):
+      xb = rows.astype(jnp.bfloat16)
+      x_sorted = row_ops.scatter_rows(xb, pos, impl=st.impl)
+    with jax.named_scope("experts"):
+      mlp_st = _Bf16MlpStatic(impl=st.impl, dtypes=(jnp.dtype(jnp.bfloat16),) * 3)
+      y, (_, h, _, gu, dn) = _mlp_bf16_fwd(mlp_st, x_sorted, perm.group_sizes, w_gate_up, w_down)
+    saved_rows, w_bwd = xb, (gu, dn)
+  with jax.named_scope("unpermute"):
+    out = row_ops.sum_rows(y, perm.masked_pos(), topk_weights.astype(jnp.float32), out_dtype=st.out_dtype,
+                           impl=st.impl)
+  return out, (saved_rows, h, topk_weights, perm, w_bwd)
 
 
-def _mlp_fp8_rows_bwd(st, res, ct):
-  res, perm = res
-  dx, _, _, dw_gu, _, dw_dn, _ = _mlp_fp8_bwd(st, res, ct)
-  d_rows, _ = _expand_rows_bwd(st.impl, perm, dx)
-  return d_rows, None, None, dw_gu, None, dw_dn, None
+def _expert_pass_bwd(st: _PassStatic, res, ct):
+  saved_rows, h, topk_weights, perm, w_bwd = res
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  mlp_impl = st.impl if st.fp8 is None else st.fp8.impl
+  gs = perm.group_sizes
+  pos = perm.pos.reshape(perm.valid.shape)
+  if st.fp8 is None or st.fp8.w_dtype is not None:
+    w_gate_up, w_down = w_bwd[0].astype(bf16), w_bwd[1].astype(bf16)
+  else:
+    gu, gu_sf, dn, dn_sf = w_bwd
+    w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
+    w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
+  with jax.named_scope("unpermute"):
+    # The cotangent rows, unweighted, one per sorted assignment (0 for those of no local expert).
+    valid_sorted = perm.valid.reshape(-1)[perm.order]
+    ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=valid_sorted.astype(f32), out_dtype=bf16,
+                                    impl=st.impl)
+    w_sorted = jnp.where(valid_sorted, topk_weights.reshape(-1).astype(f32)[perm.order], 0.0)[:, None]
+  with jax.named_scope("experts"):
+    g = grouped_gemm.grouped_gemm_bf16(ct_sorted, w_down, gs, b_layout="kn", impl=mlp_impl)  # ct @ w_down
+    act = _swiglu(h)
+    d_w = jnp.sum(act * g.astype(f32), axis=-1)  # <act, ct @ w_down> = <y, ct> per sorted assignment
+    dh = _swiglu_bwd(h, w_sorted * g.astype(f32)).astype(bf16)
+    dx_sorted = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, gs, b_layout="kn", impl=mlp_impl)
+    dw_gu = dw_dn = None
+    if st.w_dtypes is not None:
+      wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
+      dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct_sorted, (w_sorted * act).astype(bf16), gs,
+                                                   out_dtype=wgrad_dtype, impl=mlp_impl).astype(st.w_dtypes[1])
+      with jax.named_scope("permute"):  # the rows expanded again, as the forward did
+        if st.fp8 is None:
+          x = saved_rows
+        else:
+          x = quant.dequantize_fp8_blockwise(saved_rows[0], saved_rows[1], dtype=bf16)
+        x_sorted = row_ops.scatter_rows(x, pos, impl=mlp_impl)
+      dw_gu = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x_sorted, gs, out_dtype=wgrad_dtype,
+                                                   impl=mlp_impl).astype(st.w_dtypes[0])
+  with jax.named_scope("permute"):
+    d_rows = row_ops.sum_rows(dx_sorted, perm.masked_pos(), out_dtype=st.rows_dtype, impl=mlp_impl)
+  d_weights = jnp.where(perm.valid, d_w[perm.pos].reshape(perm.valid.shape), 0.0).astype(topk_weights.dtype)
+  return d_rows, None, d_weights, None, dw_gu, None, dw_dn, None
 
 
-_mlp_fp8_rows.defvjp(_mlp_fp8_rows_fwd, _mlp_fp8_rows_bwd)
+_expert_pass.defvjp(_expert_pass_fwd, _expert_pass_bwd)
 
 
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
@@ -624,33 +695,42 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   elif recv_x.dtype == jnp.float8_e4m3fn and recv_x_sf is None:
     raise ValueError(f"{op}: float8_e4m3fn recv_x needs recv_x_sf (its 1x128 scales), got None")
 
+  topk_weights = jnp.asarray(recv_topk_weights).reshape(-1, top_k)
   with jax.named_scope("permute"):
     perm = _permutation(recv_topk_ids.reshape(-1, top_k), num_local_experts)
-    if fp8_rows:
-      x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
-    elif gemm_impl is None:
-      x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
-  with jax.named_scope("experts"):
-    if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
-      st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
-      y_sorted = _mlp_fp8_rows(st, rows, codes, perm, weights.w_gate_up, weights.w_gate_up_sf, weights.w_down,
-                               weights.w_down_sf)
-    else:
-      y_sorted = _run_mlp(x_sorted, sf_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
-                          method=method, gemm_impl=gemm_impl, impl=impl)
-  with jax.named_scope("unpermute"):
-    out = _reduce_rows(y_sorted, recv_topk_weights.reshape(-1, top_k), perm, jnp.dtype(out_dtype), impl)
+  out_dtype = jnp.dtype(out_dtype)
+  if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
+    st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
+    pass_st = _PassStatic(fp8=st, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
+                          w_dtypes=None if weights.is_fp8 else (jnp.dtype(weights.w_gate_up.dtype),
+                                                                jnp.dtype(weights.w_down.dtype)))
+    out = _expert_pass(pass_st, rows, codes, topk_weights, perm, weights.w_gate_up, weights.w_gate_up_sf,
+                       weights.w_down, weights.w_down_sf)
+  elif gemm_impl is None and _takes_bf16_gemms(rows, weights, compute_dtype, method):
+    w_gate_up, w_down = weights.dequantized(jnp.bfloat16) if weights.is_fp8 else (weights.w_gate_up, weights.w_down)
+    pass_st = _PassStatic(fp8=None, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
+                          w_dtypes=(jnp.dtype(w_gate_up.dtype), jnp.dtype(w_down.dtype)))
+    out = _expert_pass(pass_st, rows, None, topk_weights, perm, w_gate_up, None, w_down, None)
+  else:  # FP8 rows as they arrived (no gradient), or the XLA MLP: expanded, run, summed in three steps
+    with jax.named_scope("permute"):
+      if fp8_rows:
+        x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
+      else:
+        x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
+    with jax.named_scope("experts"):
+      if fp8_rows:
+        y_sorted = swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl)
+      else:
+        y_sorted = swiglu_mlp_xla(x_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype, method=method)
+    with jax.named_scope("unpermute"):
+      out = _reduce_rows(y_sorted, topk_weights, perm, out_dtype, impl)
   return out.reshape(num_ranks, capacity, hidden)  # already out_dtype (un-permute writes it)
 
 
-def _run_mlp(x_sorted, sf_sorted, group_sizes, weights, *, compute_dtype, method, gemm_impl, impl):
-  """The grouped MLP of the stage: FP8 (gemm_impl), bf16 grouped GEMMs (bf16 compute), or the twin's matmuls."""
-  if gemm_impl is not None:
-    return swiglu_mlp_fp8(x_sorted, group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl)
-  if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and method == "auto" and x_sorted.shape[-1] % 8 == 0 \
-      and weights.w_down.shape[-1] % 8 == 0:
-    return swiglu_mlp_bf16(x_sorted, group_sizes, weights, impl=impl)
-  return swiglu_mlp_xla(x_sorted, group_sizes, weights, compute_dtype=compute_dtype, method=method)
+def _takes_bf16_gemms(rows, weights: ExpertWeights, compute_dtype, method: str) -> bool:
+  """Whether the bf16 experts run on the bf16 grouped GEMMs (`swiglu_mlp_bf16`) rather than `swiglu_mlp_xla`."""
+  return (jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and method == "auto" and rows.shape[-1] % 8 == 0
+          and weights.w_down.shape[-1] % 8 == 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

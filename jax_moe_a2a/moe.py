@@ -19,8 +19,9 @@ Per shard, in order (each stage under its own `jax.named_scope`):
 
 Tensors the backward pass reads carry `jax.ad_checkpoint.checkpoint_name`s, so a remat policy (e.g.
 ``jax.checkpoint_policies.save_only_these_names``) can keep or recompute them: ``router_logits`` (float32
-[T, num_experts]), ``dispatched_rows`` (the decoded received rows), ``expert_rows`` (the rows sorted by expert,
-bf16 experts) and ``expert_gate_up`` (the gate/up GEMM output, bf16 and FP8 experts).
+[T, num_experts]), ``dispatched_rows`` (the decoded received rows), ``expert_gate_up`` (the gate/up GEMM output,
+bf16 and FP8 experts) and ``expert_rows`` (the rows sorted by expert, float32 and float16 experts on XLA's
+matmuls; the grouped-GEMM experts keep the received rows once and expand them again in the backward pass).
 
 The mesh is an argument of `init_params`, `make_workspace` and `moe_apply`, or, when left out, the one set with
 ``jax.set_mesh``.

@@ -312,3 +312,24 @@ def test_swiglu_mlp_bf16_matches_float32(impl):
     assert a.dtype == jnp.float32, name  # cotangents in the primals' dtype
     assert calc_diff(a, b) < 5e-4, name
   assert not np.any(np.asarray(got[0])[140:]) and not np.any(np.asarray(got[1])[1])
+
+
+@pytest.mark.parametrize("gemm_impl", [None, "reference"])
+def test_grouped_gemm_experts_save_each_row_once_and_no_expert_output(gemm_impl):
+  """For the backward pass the bf16 and FP8 grouped-GEMM experts keep the received rows once (bf16, or FP8 codes)
+  and the gate/up rows: neither the rows expanded to one per assignment nor the expert outputs ([A, hidden],
+  A = rows * top_k), which the backward makes again or does without."""
+  x, ids, w = _layout(10)
+  weights = _weights(10)
+  num_rows = x.shape[0] * x.shape[1]
+
+  def stage(x, w, gu, dn):
+    return experts.expert_stage(x, jnp.asarray(ids), w, experts.ExpertWeights(gu, dn), out_dtype=jnp.float32,
+                                gemm_impl=gemm_impl, impl="reference")
+
+  args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), weights.w_gate_up, weights.w_down)
+  _, vjp = jax.vjp(stage, *args)
+  saved = [tuple(a.shape) for a in jax.tree_util.tree_leaves(vjp)]  # what the backward pass holds
+  assert (num_rows * TOP_K, 2 * FFN) in saved  # the gate/up rows
+  assert (num_rows, HIDDEN) in saved  # the rows, once
+  assert not [s for s in saved if len(s) == 2 and s[0] == num_rows * TOP_K and s[1] != 2 * FFN], saved
