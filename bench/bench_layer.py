@@ -22,7 +22,9 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
                  between nodes (here the data axis, of size 1 on one host) on XLA's collectives, then the one inside
                  the node; what two levels cost over the flat path where no token leaves the node
 
-Forward+backward is the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and x.
+Forward+backward is the value and the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and
+x, as a training step takes them (with the gradient alone, XLA would prune the forward's last GEMMs, whose output
+no gradient reads).
 
 With --check, each layer variant's output and gradients (one input set) are also compared with a float32 oracle
 of the same parameters (the layer's routing in float32, every expert run densely on every token at HIGHEST
@@ -101,7 +103,7 @@ def _layer_fns(variant: str, args, mesh, tokens: int):
     return jnp.sum(y.astype(jnp.float32) * ct) + lb
 
   fwd = jax.jit(forward)
-  fwd_bwd = None if config.fp8_weights else jax.jit(jax.grad(loss, argnums=(0, 2)))
+  fwd_bwd = None if config.fp8_weights else jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
   accuracy = lambda x, ct: _accuracy(config, fwd, fwd_bwd, trainable, frozen, x, ct)
 
   def inputs(i):
@@ -150,7 +152,7 @@ def _accuracy(config, fwd, fwd_bwd, trainable, frozen, x, ct) -> dict:
   params = {**trainable, **frozen}
   out = {"output": calc_diff(fwd(trainable, frozen, x)[0], oracle_fwd(params, x)[0])}
   if fwd_bwd is not None:
-    (d_p, d_x), (o_p, o_x) = fwd_bwd(trainable, frozen, x, ct), oracle_grad(params, x, ct)
+    (_, (d_p, d_x)), (o_p, o_x) = fwd_bwd(trainable, frozen, x, ct), oracle_grad(params, x, ct)
     out.update({f"grad_{k}": calc_diff(v, o_p[k]) for k, v in d_p.items()})
     out["grad_x"] = calc_diff(d_x, o_x)
   return {k: float(f"{v:.3g}") for k, v in out.items()}
@@ -180,7 +182,7 @@ def _einsum_fns(args, mesh, tokens: int):
   def loss(w_gu, w_dn, x, ct):
     return jnp.sum(body(w_gu, w_dn, x).astype(jnp.float32) * ct)
 
-  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
   def inputs(i):
     k = jax.random.fold_in(jax.random.key(3), i)
