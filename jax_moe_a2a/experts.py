@@ -348,15 +348,19 @@ def swiglu_mlp_bf16(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights
   _, ffn = _check_weights(op, weights, hidden)
   if x.ndim != 2:
     raise ValueError(f"{op}: x must be [M, hidden], got shape {tuple(x.shape)}")
-  for name, v in (("hidden", hidden), ("ffn", ffn)):
-    if v % 8 or v == 0:
-      raise ValueError(f"{op}: {name} must be a positive multiple of 8, got {v}")
+  _check_bf16_sizes(op, hidden, ffn)
   if weights.is_fp8:
     w_gate_up, w_down = weights.dequantized(jnp.bfloat16)
   else:
     w_gate_up, w_down = weights.w_gate_up, weights.w_down
   st = _Bf16MlpStatic(impl=impl, dtypes=tuple(jnp.dtype(v.dtype) for v in (x, w_gate_up, w_down)))
   return _mlp_bf16(st, x, group_sizes.astype(jnp.int32), w_gate_up, w_down)
+
+
+def _check_bf16_sizes(op: str, hidden: int, ffn: int) -> None:
+  for name, v in (("hidden", hidden), ("ffn", ffn)):
+    if v % 8 or v == 0:
+      raise ValueError(f"{op}: {name} must be a positive multiple of 8, got {v}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -707,6 +711,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     out = _expert_pass(pass_st, rows, codes, topk_weights, perm, weights.w_gate_up, weights.w_gate_up_sf,
                        weights.w_down, weights.w_down_sf)
   elif gemm_impl is None and _takes_bf16_gemms(rows, weights, compute_dtype, method):
+    _check_bf16_sizes(op, hidden, weights.w_down.shape[-1])
     w_gate_up, w_down = weights.dequantized(jnp.bfloat16) if weights.is_fp8 else (weights.w_gate_up, weights.w_down)
     pass_st = _PassStatic(fp8=None, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
                           w_dtypes=(jnp.dtype(w_gate_up.dtype), jnp.dtype(w_down.dtype)))
