@@ -213,6 +213,7 @@ def test_bf16_compute_is_close():
     ("w_gate_up_hidden", ValueError, r"expert_stage: w_gate_up must be \[num_local_experts, 2 \* ffn, hidden=256\]"),
     ("fp8_rows_without_scales", ValueError, r"expert_stage: float8_e4m3fn recv_x needs recv_x_sf"),
     ("method", ValueError, r"swiglu_mlp_xla: method must be one of auto, ragged_dot, tiled, got 'cutlass'"),
+    ("no_ffn", ValueError, r"expert_stage: ffn must be a positive multiple of 8, got 0"),
 ])
 def test_errors(case, error, match):
   x, ids, w = _layout(5)
@@ -234,6 +235,8 @@ def test_errors(case, error, match):
     x = jnp.asarray(x).astype(jnp.float8_e4m3fn)
   elif case == "method":
     kwargs["method"] = "cutlass"
+  elif case == "no_ffn":  # bf16 compute on the grouped GEMMs (the default)
+    weights = experts.ExpertWeights(weights.w_gate_up[:, :0], weights.w_down[:, :, :0])
   with pytest.raises(error, match=match):
     experts.expert_stage(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), weights, **kwargs)
 
