@@ -333,15 +333,18 @@ def _dispatch(st, x, x_sf, topk_ids, topk_weights):
   return _dispatch_forward(st, x, x_sf, topk_ids, topk_weights)[0]
 
 
-def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_experts, workspace):
+def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_experts, workspace, out_dtype):
   """The received rows' cotangents summed back at their source tokens, one-sided: a combine over the dispatch's
-  slots, in float32, the same sums as the twin's exchange. Returns None where they take the twin's exchange
-  instead: no workspace, or rows the workspace's combine rows do not hold exactly (`Workspace.fits_combine_rows`).
-  The one rule for both VJPs of a dispatch (`dispatch`'s and the wire's)."""
+  slots, summed in float32 and written in `out_dtype` (bfloat16 or float32; float32 for any other), the same sums
+  and the same rounding as the twin's exchange followed by a cast. Returns None where they take the twin's
+  exchange instead: no workspace, or rows the workspace's combine rows do not hold exactly
+  (`Workspace.fits_combine_rows`). The one rule for both VJPs of a dispatch (`dispatch`'s and the wire's)."""
   if workspace is None or ct_rows is None or not workspace.fits_combine_rows(ct_rows):
     return None
+  written = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
+  out_dtype = jnp.dtype(out_dtype) if jnp.dtype(out_dtype) in written else jnp.dtype(jnp.float32)
   st = _CombineStatic(axis_name=axis_name, expert_dtype=workspace.combine_dtype,
-                      out_dtype=jnp.dtype(jnp.float32), num_experts=num_experts, workspace=workspace)
+                      out_dtype=out_dtype, num_experts=num_experts, workspace=workspace)
   return _ffi_combine(st, ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts)
 
 
@@ -358,7 +361,7 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
   dx = None
   if jnp.issubdtype(st.x_dtype, jnp.floating):
     dx = _rows_back_one_sided(ct_result.recv_x, send_slot, recv_counts, axis_name=ax, num_experts=st.num_experts,
-                              workspace=st.workspace)
+                              workspace=st.workspace, out_dtype=st.x_dtype)
   if dx is not None:
     dx = dx.astype(st.x_dtype)
     # The exchanges below follow the one-sided call by data: XLA:CPU would otherwise run them in any order, and a
@@ -740,13 +743,14 @@ def _wire(st, x, topk_ids, topk_weights):
   return _wire_forward(st, x, topk_ids, topk_weights)[0]
 
 
-def _back_to_sources(ct_rows, ct_w, handle: DispatchHandle):
+def _back_to_sources(ct_rows, ct_w, handle: DispatchHandle, rows_dtype):
   """The received rows' and weights' float32 cotangents summed back at their source tokens over `handle`'s slots:
-  ``([T, hidden], [T, top_k])`` float32."""
+  ``([T, hidden], [T, top_k])``, the rows rounded once to `rows_dtype` where the one-sided call writes it (else
+  float32: the caller casts), the weights float32."""
   hidden = ct_rows.shape[-1]
   reference = dataclasses.replace(handle, workspace=None)
   rows = _rows_back_one_sided(ct_rows, handle.send_slot, handle.recv_counts, axis_name=handle.axis_name,
-                              num_experts=handle.num_experts, workspace=handle.workspace)
+                              num_experts=handle.num_experts, workspace=handle.workspace, out_dtype=rows_dtype)
   if rows is not None:
     # The weights' cotangents (top_k floats per row) take the reference path, after the rows by data (XLA:CPU
     # would otherwise run the two in any order, and a device inside the all_to_all waiting for a peer inside the
@@ -765,10 +769,10 @@ def _wire_bwd(st, res, cts):
   # cotangent of the one rank holding its expert, as the VJP of dispatch does.
   ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
   if not st.two_level:
-    rows, w = _back_to_sources(ct_rows, ct_w, handle)
+    rows, w = _back_to_sources(ct_rows, ct_w, handle, st.x_dtype)
     return rows.astype(st.x_dtype), None, w
   # Two levels: back to the node-received rows inside the node, then across nodes in one float32 exchange.
-  rows, w = _back_to_sources(ct_rows, ct_w, handle.local)
+  rows, w = _back_to_sources(ct_rows, ct_w, handle.local, jnp.float32)  # partial sums stay float32
   hidden, num_nodes, num_tokens = rows.shape[-1], handle.node.num_ranks, handle.node.num_tokens
   both = jnp.concatenate([rows, w], axis=-1).reshape(num_nodes, num_tokens, -1)
   back = combine(both, dataclasses.replace(handle.node, workspace=None), out_dtype=jnp.float32)

@@ -577,10 +577,12 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
-@pytest.mark.parametrize("combine_dtype", [jnp.bfloat16, jnp.float32])
-def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype):
+@pytest.mark.parametrize("combine_dtype,x_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32),
+                                                   (jnp.float32, jnp.bfloat16)])
+def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype, x_dtype):
   """a2a.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
-  gives the twin's cotangents bit for bit, for the same cotangents of every output."""
+  gives the twin's cotangents bit for bit, for the same cotangents of every output; for bfloat16 x the one-sided
+  combine writes bfloat16, one rounding of the float32 sums as the twin's cast."""
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 16, 256, 3
   num_experts = 4 * num_ranks
@@ -590,6 +592,7 @@ def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype)
   ct_rows = rng.standard_normal((num_ranks * num_ranks, num_tokens, hidden)).astype(np.float32)
   ct_w = rng.standard_normal((num_ranks * num_ranks, num_tokens, top_k)).astype(np.float32)
   x, ids, weights, ct_rows, ct_w = _put(mesh, x, ids, weights, ct_rows, ct_w)
+  x = x.astype(x_dtype)
 
   def grads(ws):
     def body(x, ids, weights, ct_rows, ct_w):
