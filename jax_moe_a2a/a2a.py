@@ -51,7 +51,8 @@ from jax.interpreters import mlir
 
 from jax_moe_a2a import _ffi, layout, quant, routing
 from jax_moe_a2a.layout import INVALID_EXPERT
-from jax_moe_a2a.workspace import Workspace, _describe, _row_bytes  # Workspace: public here too (a2a.Workspace)
+# Workspace: public here too (a2a.Workspace)
+from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, _describe, _row_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # Results and handle
@@ -341,8 +342,7 @@ def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_expe
   (`Workspace.fits_combine_rows`). The one rule for both VJPs of a dispatch (`dispatch`'s and the wire's)."""
   if workspace is None or ct_rows is None or not workspace.fits_combine_rows(ct_rows):
     return None
-  written = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
-  out_dtype = jnp.dtype(out_dtype) if jnp.dtype(out_dtype) in written else jnp.dtype(jnp.float32)
+  out_dtype = jnp.dtype(out_dtype) if jnp.dtype(out_dtype) in COMBINE_DTYPES else jnp.dtype(jnp.float32)
   st = _CombineStatic(axis_name=axis_name, expert_dtype=workspace.combine_dtype,
                       out_dtype=out_dtype, num_experts=num_experts, workspace=workspace)
   return _ffi_combine(st, ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts)

@@ -23,6 +23,8 @@ from jax_moe_a2a import _ffi, layout
 # The host a process runs on, for which devices can map each other's memory: this variable when set (e.g. to tell
 # apart containers that share a host name), else the host name.
 HOST_ENV = "JAX_MOE_A2A_HOST"
+# The dtypes the combine custom call reads (combine_dtype) and writes (out_dtype).
+COMBINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @functools.cache
@@ -157,7 +159,7 @@ class Workspace:
       combine_dtype = jnp.dtype(combine_dtype)
     except TypeError:
       combine_dtype = None
-    if combine_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    if combine_dtype not in COMBINE_DTYPES:
       raise ValueError(f"{op}: combine_dtype must be bfloat16 or float32, got {combine_dtype!r}")
     if not isinstance(training, (bool, np.bool_)):
       raise ValueError(f"{op}: training must be a bool, got {training!r}")
@@ -361,7 +363,7 @@ class Workspace:
     if jnp.dtype(expert_out.dtype) != self.combine_dtype or hidden != self.layout.dispatch.hidden:
       raise ValueError(f"combine: expert_out must be [num_ranks, num_tokens, {self.layout.dispatch.hidden}] "
                        f"{self.combine_dtype} to fit the workspace, got {_describe(expert_out)}")
-    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    if jnp.dtype(out_dtype) not in COMBINE_DTYPES:
       raise ValueError(f"combine: out_dtype must be bfloat16 or float32 on the custom-call path, got {out_dtype}")
     self.id  # pylint: disable=pointless-statement
 
