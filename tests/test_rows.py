@@ -44,9 +44,10 @@ def _permutation_positions(rng, num_rows, k):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int32])
-@pytest.mark.parametrize("num_rows,hidden,k", [(7, 64, 3), (1, 3, 2), (40, 7168, 8), (5, 136, 1)])
+@pytest.mark.parametrize("num_rows,hidden,k", [(7, 64, 3), (1, 3, 2), (40, 7168, 8), (5, 136, 1), (2300, 520, 2)])
 def test_scatter_rows_equals_the_twin_and_the_gather_by_the_inverse(dtype, num_rows, hidden, k):
-  """Rows of 6 bytes to 14 KiB (the GPU kernel's narrow words and its four-word batches), k = 1 to 8."""
+  """Rows of 6 bytes to 14 KiB (the GPU kernel's narrow words and its segments of one word per lane), k = 1 to 8;
+  2300 rows take the GPU kernel's segments of four words per lane (and a partial last segment)."""
   rng = np.random.default_rng(num_rows * hidden + k)
   x = jnp.asarray(rng.standard_normal((num_rows, hidden)) * 4).astype(dtype)
   pos = _permutation_positions(rng, num_rows, k)

@@ -10,8 +10,8 @@
 //   are not.
 // - The setup kernel turns group_sizes into per-group problem shapes, pointers, strides and scale layouts in the
 //   caller's scratch buffer; the GEMM reads them there. Groups with no rows produce no tiles.
-// - Output rows that no group owns are zeroed by a separate kernel; TMA stores clip each group's tiles to its
-//   rows, so the GEMM never writes outside a group.
+// - Output rows that no group owns are zeroed by the setup kernel's other blocks; TMA stores clip each group's
+//   tiles to its rows, so the GEMM never writes outside a group.
 // - Two instantiations serve both layouts (which differ only in the setup): tiles of 128 rows on two cooperative
 //   warpgroups, and, when the average group has at most 64 rows (decode), tiles of 64 rows on ping-pong
 //   warpgroups. A tile's tensor-core work does not depend on how many of its rows a group fills, so at a few rows
@@ -179,13 +179,13 @@ typename Config::Gemm::Arguments MakeArguments(const GroupArrays& g, int num_gro
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Device kernels: setup and zero fill
+// Device kernel: setup and zero fill
 // ---------------------------------------------------------------------------------------------------------------
 
 constexpr int kSetupThreads = 256;
 
-// Fills the per-group arrays. One block; groups in chunks of kSetupThreads with a running row offset.
-__global__ void __launch_bounds__(kSetupThreads) SetupGroupsKernel(GroupedGemmFp8Args args, GroupArrays g) {
+// Fills the per-group arrays: one block; groups in chunks of kSetupThreads with a running row offset.
+__device__ void SetupGroups(const GroupedGemmFp8Args& args, const GroupArrays& g) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int64_t chunk_base;
@@ -225,39 +225,49 @@ __global__ void __launch_bounds__(kSetupThreads) SetupGroupsKernel(GroupedGemmFp
   }
 }
 
-constexpr int kZeroThreads = 256;
 constexpr int kZeroRowsPerBlock = 32;
 
-// Zeroes the output rows no group owns. Grid: (ceil(rows / kZeroRowsPerBlock), masked ? num_groups : 1).
-__global__ void __launch_bounds__(kZeroThreads) ZeroUnownedRowsKernel(GroupedGemmFp8Args args) {
+// Zeroes the output rows [block_row * kZeroRowsPerBlock, + kZeroRowsPerBlock) that no group owns, of matrix
+// blockIdx.y (masked) or of the one matrix.
+__device__ void ZeroUnownedRows(const GroupedGemmFp8Args& args, int64_t block_row) {
   int64_t owned;  // rows [0, owned) of this block's matrix belong to groups
   if (args.masked) {
     owned = min(static_cast<int64_t>(max(args.group_sizes[blockIdx.y], 0)), args.rows);
   } else {
-    using Reduce = cub::BlockReduce<int64_t, kZeroThreads>;
+    using Reduce = cub::BlockReduce<int64_t, kSetupThreads>;
     __shared__ typename Reduce::TempStorage reduce_storage;
     __shared__ int64_t total;
     int64_t sum = 0;
-    for (int64_t grp = threadIdx.x; grp < args.num_groups; grp += kZeroThreads) sum += max(args.group_sizes[grp], 0);
+    for (int64_t grp = threadIdx.x; grp < args.num_groups; grp += kSetupThreads) sum += max(args.group_sizes[grp], 0);
     sum = Reduce(reduce_storage).Sum(sum);
     if (threadIdx.x == 0) total = sum;
     __syncthreads();
     owned = min(total, args.rows);
   }
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kZeroRowsPerBlock;
+  const int64_t first = block_row * kZeroRowsPerBlock;
   const int64_t begin = max(first, owned), end = min(first + kZeroRowsPerBlock, args.rows);
   if (begin >= end) return;
   const int64_t vecs_per_row = args.n / 8;  // 8 bfloat16 per 16-byte store
   uint4* d = reinterpret_cast<uint4*>(args.d) + (static_cast<int64_t>(blockIdx.y) * args.rows) * vecs_per_row;
-  for (int64_t i = begin * vecs_per_row + threadIdx.x; i < end * vecs_per_row; i += kZeroThreads) {
+  for (int64_t i = begin * vecs_per_row + threadIdx.x; i < end * vecs_per_row; i += kSetupThreads) {
     d[i] = make_uint4(0, 0, 0, 0);
   }
+}
+
+// One launch before the GEMM. Grid: (ceil(rows / kZeroRowsPerBlock) + 1, masked ? num_groups : 1); block
+// (0, 0) fills the per-group arrays, blocks (x > 0, y) zero rows x - 1 of matrix y.
+__global__ void __launch_bounds__(kSetupThreads) PrepareGroupsKernel(GroupedGemmFp8Args args, GroupArrays g) {
+  if (blockIdx.x == 0) {
+    if (blockIdx.y == 0) SetupGroups(args, g);
+    return;
+  }
+  ZeroUnownedRows(args, static_cast<int64_t>(blockIdx.x) - 1);
 }
 
 // Kernel parameters (TMA descriptors built on the host, pointers into the scratch buffer) depend only on the
 // device, the scratch address, the group count and the SM count: the problem shapes and operand addresses are
 // read from the scratch arrays on the device. XLA gives a call site the same scratch buffer every time it runs,
-// so caching them keeps the host work of a call to two kernel launches and the GEMM launch.
+// so caching them keeps the host work of a call to the setup launch and the GEMM launch.
 template <class Config>
 struct ParamsCache {
   using Params = typename Config::GemmKernel::Params;
@@ -351,10 +361,9 @@ std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const Groupe
   GroupArrays arrays{};
   char* base = static_cast<char*>(args.scratch);
   const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
-  SetupGroupsKernel<<<1, kSetupThreads, 0, stream>>>(args, arrays);
-  const dim3 zero_grid(static_cast<unsigned>((args.rows + kZeroRowsPerBlock - 1) / kZeroRowsPerBlock),
-                       args.masked ? static_cast<unsigned>(args.num_groups) : 1u);
-  ZeroUnownedRowsKernel<<<zero_grid, kZeroThreads, 0, stream>>>(args);
+  const dim3 grid(static_cast<unsigned>((args.rows + kZeroRowsPerBlock - 1) / kZeroRowsPerBlock + 1),
+                  args.masked ? static_cast<unsigned>(args.num_groups) : 1u);
+  PrepareGroupsKernel<<<grid, kSetupThreads, 0, stream>>>(args, arrays);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
   void* workspace = base + array_bytes;

@@ -9,7 +9,8 @@
 //   - Groups are enumerated row-major, so a block reads and writes one contiguous stretch of x and x_q. The
 //     block-major scale layout [k/128, m] then gets strided 4-byte stores (1/64 of the traffic), which L2 merges
 //     with the neighbouring rows' stores of the next blocks.
-//   - Each thread keeps kUnroll independent 16-byte loads in flight before it computes.
+//   - Each thread keeps kManyUnroll independent 16-byte loads in flight before it computes (fewer when there are few
+//     groups, so they spread over more warps).
 //   - 128x128 weight blocks: one thread block per tile; each thread loads its 16-byte pieces of the tile's rows,
 //     the tile's amax is reduced over the warp and then the block (shared memory), and each thread encodes and
 //     stores its own pieces: one read of the weights, one write of the codes.
@@ -29,7 +30,11 @@ namespace jax_moe_a2a {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 8;
+// Groups per thread: kManyUnroll loads in flight, or kFewUnroll where kManyUnroll would leave fewer than kMinBlocks
+// blocks (a few rows: decode), so that more warps share each SM.
+constexpr int kManyUnroll = 8;
+constexpr int kFewUnroll = 2;
+constexpr int64_t kMinBlocks = 4 * 132;
 
 template <typename T>
 __device__ __forceinline__ void Unpack(const uint4& raw, float* v);
@@ -110,7 +115,7 @@ __device__ __forceinline__ float Swiglu(float g, float u) {
 
 // Index is uint32_t when every element offset fits (cheaper division), else int64_t. kSwiglu: x is [m, 2k], gate
 // columns then up columns, and the values quantized are silu(gate) * up (row-major scales only).
-template <typename T, bool kBlockMajorK, bool kSwiglu, typename Index>
+template <typename T, bool kBlockMajorK, bool kSwiglu, int kUnroll, typename Index>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* __restrict__ x,
                                                                        uint8_t* __restrict__ x_q,
                                                                        float* __restrict__ x_sf, Index m,
@@ -170,40 +175,45 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
   }
 }
 
-template <typename T, bool kBlockMajorK, bool kSwiglu>
-void LaunchKernel(cudaStream_t stream, dim3 grid, bool wide, const T* x, uint8_t* x_q, float* x_sf, int64_t m,
-                  int64_t groups_per_row) {
-  if (wide) {
-    QuantizeFp8BlockwiseKernel<T, kBlockMajorK, kSwiglu, int64_t><<<grid, kThreads, 0, stream>>>(x, x_q, x_sf, m,
-                                                                                              groups_per_row);
+template <typename T, bool kBlockMajorK, bool kSwiglu, int kUnroll>
+cudaError_t LaunchKernel(cudaStream_t stream, const T* x, uint8_t* x_q, float* x_sf, int64_t m,
+                         int64_t groups_per_row) {
+  constexpr int64_t kGroupsPerBlock = static_cast<int64_t>(kThreads / (kGroup / (16 / sizeof(T)))) * kUnroll;
+  const int64_t blocks = (m * groups_per_row + kGroupsPerBlock - 1) / kGroupsPerBlock;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  // The last block may enumerate groups past the end: those indices (of x, twice as wide with swiglu) must fit the
+  // index type too.
+  if (blocks * kGroupsPerBlock * kGroup * (kSwiglu ? 2 : 1) >= (int64_t{1} << 32)) {
+    QuantizeFp8BlockwiseKernel<T, kBlockMajorK, kSwiglu, kUnroll, int64_t><<<grid, kThreads, 0, stream>>>(
+        x, x_q, x_sf, m, groups_per_row);
   } else {
-    QuantizeFp8BlockwiseKernel<T, kBlockMajorK, kSwiglu, uint32_t><<<grid, kThreads, 0, stream>>>(
+    QuantizeFp8BlockwiseKernel<T, kBlockMajorK, kSwiglu, kUnroll, uint32_t><<<grid, kThreads, 0, stream>>>(
         x, x_q, x_sf, static_cast<uint32_t>(m), static_cast<uint32_t>(groups_per_row));
   }
+  return cudaGetLastError();
+}
+
+template <typename T, bool kBlockMajorK, bool kSwiglu>
+cudaError_t LaunchUnrolled(cudaStream_t stream, const T* x, uint8_t* x_q, float* x_sf, int64_t m,
+                           int64_t groups_per_row) {
+  constexpr int64_t kGroupsPerBlock = static_cast<int64_t>(kThreads / (kGroup / (16 / sizeof(T)))) * kManyUnroll;
+  if ((m * groups_per_row + kGroupsPerBlock - 1) / kGroupsPerBlock >= kMinBlocks) {
+    return LaunchKernel<T, kBlockMajorK, kSwiglu, kManyUnroll>(stream, x, x_q, x_sf, m, groups_per_row);
+  }
+  return LaunchKernel<T, kBlockMajorK, kSwiglu, kFewUnroll>(stream, x, x_q, x_sf, m, groups_per_row);
 }
 
 template <typename T>
 cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf, int64_t m, int64_t k,
                    bool block_major_k, bool swiglu) {
-  constexpr int kLanes = kGroup / (16 / sizeof(T));
-  constexpr int64_t kGroupsPerBlock = static_cast<int64_t>(kThreads / kLanes) * kUnroll;
   const int64_t groups_per_row = k / kGroup;
-  const int64_t blocks = (m * groups_per_row + kGroupsPerBlock - 1) / kGroupsPerBlock;
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7FFFFFFF || (swiglu && block_major_k)) return cudaErrorInvalidValue;
+  if (m * groups_per_row == 0) return cudaSuccess;
+  if (swiglu && block_major_k) return cudaErrorInvalidValue;
   const auto* xt = static_cast<const T*>(x);
-  const dim3 grid(static_cast<unsigned>(blocks));
-  // The last block may enumerate groups past the end: those indices (of x, twice as wide with swiglu) must fit the
-  // index type too.
-  const bool wide = blocks * kGroupsPerBlock * kGroup * (swiglu ? 2 : 1) >= (int64_t{1} << 32);
-  if (swiglu) {
-    LaunchKernel<T, false, true>(stream, grid, wide, xt, x_q, x_sf, m, groups_per_row);
-  } else if (block_major_k) {
-    LaunchKernel<T, true, false>(stream, grid, wide, xt, x_q, x_sf, m, groups_per_row);
-  } else {
-    LaunchKernel<T, false, false>(stream, grid, wide, xt, x_q, x_sf, m, groups_per_row);
-  }
-  return cudaGetLastError();
+  if (swiglu) return LaunchUnrolled<T, false, true>(stream, xt, x_q, x_sf, m, groups_per_row);
+  if (block_major_k) return LaunchUnrolled<T, true, false>(stream, xt, x_q, x_sf, m, groups_per_row);
+  return LaunchUnrolled<T, false, false>(stream, xt, x_q, x_sf, m, groups_per_row);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

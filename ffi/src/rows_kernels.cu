@@ -8,7 +8,9 @@
 //     rows (decode) still fill the GPU. Loads use the read-only path (16-byte ones do not allocate in L1: each
 //     source byte is read once per output row that names it).
 //   - A scatter reads each source row once and writes it k times: where the source rows exceed the L2 cache, a
-//     gather of the same rows reads each from memory once per output row (k times).
+//     gather of the same rows reads each from memory once per output row (k times). It works on (row, segment)
+//     items, segments of four words per lane, or of one when there are few rows (decode), so they spread over
+//     every SM.
 //   - Products and sums use __fmul_rn / __fadd_rn: no fused multiply-add, so the CPU handler and the pure-JAX twin
 //     (a product, then a sum in ascending k) round the same way.
 //   - An index outside the source rows contributes nothing: a zero row for a gather, a term of +0 for a sum (its
@@ -102,33 +104,33 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(const W* __restrict
   }
 }
 
-// out[pos[r, j]] = x[r] for j < k: one warp per source row, which it reads once (four words in flight per lane)
-// and writes to its k positions. Positions outside [0, num_out_rows) are skipped.
-template <typename W>
+// out[pos[r, j]] = x[r] for j < k, on (row, segment) items: a warp reads kPerLane words per lane of one source row
+// (a segment of 32 * kPerLane words, all loads in flight at once) and writes them to the row's k positions.
+// Positions outside [0, num_out_rows) are skipped.
+template <typename W, int kPerLane>
 __global__ void __launch_bounds__(kThreads) ScatterRowsKernel(const W* __restrict__ x, const int32_t* __restrict__ pos,
                                                               W* __restrict__ out, int64_t num_x_rows, int k,
                                                               int64_t num_out_rows, int64_t words_per_row) {
+  constexpr int64_t kSegmentWords = 32 * kPerLane;
   const int lane = threadIdx.x % 32;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < num_x_rows;
-       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+  const int64_t segments = (words_per_row + kSegmentWords - 1) / kSegmentWords;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; item < num_x_rows * segments;
+       item += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t row = item / segments, first = (item % segments) * kSegmentWords + lane;
     const W* from = x + row * words_per_row;
-    const int32_t* row_pos = pos + row * k;
-    int64_t v = lane;
-    for (; v + 96 < words_per_row; v += 128) {  // four loads in flight per lane, each stored k times
-      const W a = LoadWord(from + v), b = LoadWord(from + v + 32), c = LoadWord(from + v + 64),
-              d = LoadWord(from + v + 96);
-      for (int j = 0; j < k; ++j) {
-        const int64_t p = row_pos[j];  // the same address in every lane: one load for the warp
-        if (p < 0 || p >= num_out_rows) continue;
-        W* dst = out + p * words_per_row;
-        dst[v] = a, dst[v + 32] = b, dst[v + 64] = c, dst[v + 96] = d;
-      }
+    W v[kPerLane] = {};
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (first + 32 * i < words_per_row) v[i] = LoadWord(from + first + 32 * i);
     }
-    for (; v < words_per_row; v += 32) {
-      const W a = LoadWord(from + v);
-      for (int j = 0; j < k; ++j) {
-        const int64_t p = row_pos[j];
-        if (p >= 0 && p < num_out_rows) out[p * words_per_row + v] = a;
+    const int32_t* row_pos = pos + row * k;
+    for (int j = 0; j < k; ++j) {
+      const int64_t p = row_pos[j];  // the same address in every lane: one load for the warp
+      if (p < 0 || p >= num_out_rows) continue;
+      W* dst = out + p * words_per_row;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        if (first + 32 * i < words_per_row) dst[first + 32 * i] = v[i];
       }
     }
   }
@@ -213,6 +215,9 @@ __global__ void __launch_bounds__(kThreads) SumRowsKernel(const TIn* __restrict_
   }
 }
 
+// Warps below which a scatter takes segments of one word per lane: 16 warps on each of 132 SMs.
+constexpr int64_t kMinScatterWarps = 16 * 132;
+
 // Blocks for `items` warp-sized work items (a grid-stride loop covers the rest).
 unsigned Blocks(int64_t items) {
   const int64_t want = (items + kWarps - 1) / kWarps;
@@ -260,9 +265,19 @@ cudaError_t LaunchScatterRows(cudaStream_t stream, const void* x, const int32_t*
   if (num_x_rows == 0 || k == 0) return cudaSuccess;
   return WithRowWord(row_bytes, [&](auto word) {
     using W = decltype(word);
-    ScatterRowsKernel<W><<<Blocks(num_x_rows), kThreads, 0, stream>>>(
-        static_cast<const W*>(x), pos, static_cast<W*>(out), num_x_rows, static_cast<int>(k), num_out_rows,
-        row_bytes / static_cast<int64_t>(sizeof(W)));
+    const int64_t words_per_row = row_bytes / static_cast<int64_t>(sizeof(W));
+    // Segments of four words per lane, or of one where that leaves too few warps to fill the GPU (a few rows:
+    // decode).
+    const int64_t wide_items = num_x_rows * ((words_per_row + 127) / 128);
+    if (wide_items >= kMinScatterWarps) {
+      ScatterRowsKernel<W, 4><<<Blocks(wide_items), kThreads, 0, stream>>>(
+          static_cast<const W*>(x), pos, static_cast<W*>(out), num_x_rows, static_cast<int>(k), num_out_rows,
+          words_per_row);
+    } else {
+      ScatterRowsKernel<W, 1><<<Blocks(num_x_rows * ((words_per_row + 31) / 32)), kThreads, 0, stream>>>(
+          static_cast<const W*>(x), pos, static_cast<W*>(out), num_x_rows, static_cast<int>(k), num_out_rows,
+          words_per_row);
+    }
     return cudaGetLastError();
   });
 }
