@@ -768,15 +768,36 @@ class _Permutation:
     return jnp.where(self.valid, self.pos.reshape(self.valid.shape), -1).astype(jnp.int32)
 
 
+# Up to this many assignments, sorted positions are counted by comparing every pair (one fused reduction over
+# [A, A]) rather than by a sort: at decode sizes the sort is a custom call that a CUDA graph cannot hold, and the
+# graph is split around it.
+_RANK_BY_COMPARISON_MAX = 4096
+
+
+def _sorted_positions(key: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Array]:
+  """(order, pos) of a stable sort of key [A] (values in [0, num_keys)): ``order[i]`` is the index at sorted
+  position i, ``pos`` its inverse."""
+  num = key.shape[0]
+  iota = jnp.arange(num, dtype=jnp.int32)
+  if num <= _RANK_BY_COMPARISON_MAX:
+    # The sorted position of a is how many b come before it: a smaller key, or the same key and b < a.
+    kb, ka = key[None, :], key[:, None]
+    before = (kb < ka) | ((kb == ka) & (iota[None, :] < iota[:, None]))
+    pos = jnp.sum(before, axis=1, dtype=jnp.int32)
+    order = jnp.zeros((num,), jnp.int32).at[pos].set(iota, unique_indices=True)
+    return order, pos
+  # The narrowest key that holds every value: a radix sort takes one pass per key byte.
+  narrow = jnp.uint8 if num_keys <= 2**8 else jnp.uint16 if num_keys <= 2**16 else jnp.int32
+  order = jnp.argsort(key.astype(narrow), stable=True).astype(jnp.int32)
+  pos = jnp.zeros((num,), jnp.int32).at[order].set(iota, unique_indices=True)
+  return order, pos
+
+
 def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
   top_k = ids.shape[-1]
   valid = routing.valid_mask(ids, num_local_experts)
   key = jnp.where(valid, ids, num_local_experts).reshape(-1)
-  # The narrowest key that holds every expert id: a radix sort takes one pass per key byte.
-  narrow = jnp.uint8 if num_local_experts < 2**8 else jnp.uint16 if num_local_experts < 2**16 else jnp.int32
-  order = jnp.argsort(key.astype(narrow), stable=True).astype(jnp.int32)
-  num = order.shape[0]
-  pos = jnp.zeros((num,), jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32), unique_indices=True)
+  order, pos = _sorted_positions(key, num_local_experts + 1)
   group_sizes = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
   return _Permutation(order=order, pos=pos, src_row=order // top_k, valid=valid, group_sizes=group_sizes)
 

@@ -75,6 +75,18 @@ def test_expert_stage_matches_loop_oracle(method):
   assert _max_rel(out, want) <= TOL
 
 
+@pytest.mark.parametrize("num,num_keys", [(1, 3), (37, 5), (4096, 33), (4100, 9), (5000, 300)])
+@pytest.mark.parametrize("by_comparison", [True, False])
+def test_sorted_positions_are_a_stable_sort_both_ways(num, num_keys, by_comparison, monkeypatch):
+  """Counted by comparing pairs (small sizes) or by a sort: both are numpy's stable argsort, with many ties."""
+  monkeypatch.setattr(experts, "_RANK_BY_COMPARISON_MAX", 1 << 30 if by_comparison else 0)
+  key = np.random.default_rng(num).integers(0, num_keys, num).astype(np.int32)
+  order, pos = jax.jit(lambda k: experts._sorted_positions(k, num_keys))(jnp.asarray(key))
+  want = np.argsort(key, kind="stable")
+  np.testing.assert_array_equal(np.asarray(order), want)
+  np.testing.assert_array_equal(np.asarray(pos)[want], np.arange(num))
+
+
 def test_padding_rows_give_exact_zeros_even_with_garbage_rows():
   x, ids, w = _layout(1, padding=4)
   x[:, -4:] = 1e4  # a padding row's content must not matter: every id is -1
