@@ -7,6 +7,8 @@ runs). TFLOP/s = 2 * real rows * N * K / time; every group has exactly `rows` re
 Methods:
   fp8_contiguous   jax_moe_a2a_grouped_gemm_fp8, rows sorted by group [G*rows, K]
   fp8_masked       the same custom call on [G, rows, K] with per-group counts
+  bf16_grouped     jax_moe_a2a_grouped_gemm_bf16, rows sorted by group, weights [G, N, K] (the forward's layout)
+  bf16_grouped_kn  the same custom call with weights read as [G, K, N] (the data gradient's layout)
   bf16_ragged_dot  jax.lax.ragged_dot, bfloat16
   bf16_mgpu        Pallas Mosaic-GPU ragged_dot_mgpu, bfloat16, best of three tile configurations
   bf16_einsum      batched einsum [G, rows, K] x [G, N, K], bfloat16 (equal capacity, no padding here)
@@ -35,8 +37,8 @@ from common import plot_if_possible, positive_int, save_plot, time_per_call, wri
 
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
-METHODS = ("fp8_contiguous", "fp8_masked", "bf16_ragged_dot", "bf16_mgpu", "bf16_einsum", "fp8_dequant_bf16",
-           "fp8_batched_pt", "fp8_dense_pt")
+METHODS = ("fp8_contiguous", "fp8_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_mgpu",
+           "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt")
 SHAPES = ((4096, 7168), (7168, 2048))  # (N, K): gate/up-like and down-like projections of DeepSeek-V3
 MGPU_CONFIGS = (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
                 dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1),
@@ -75,6 +77,10 @@ def _one(method, g, rows, n, k, wts, act, sizes, mgpu_config=None):
   if method == "fp8_masked":
     return grouped_gemm.grouped_gemm_fp8(act["a"].reshape(g, rows, k), act["a_sf"].reshape(g, rows, k // 128),
                                          wts["b"], wts["b_sf"], sizes, impl="ffi")
+  if method == "bf16_grouped":
+    return grouped_gemm.grouped_gemm_bf16(act["x"], wts["wb"], sizes, b_layout="nk", impl="ffi")
+  if method == "bf16_grouped_kn":
+    return grouped_gemm.grouped_gemm_bf16(act["x"], wts["wb_kn"], sizes, b_layout="kn", impl="ffi")
   if method == "bf16_ragged_dot":
     return jax.lax.ragged_dot(act["x"], wts["wb_kn"], sizes)
   if method == "bf16_mgpu":

@@ -60,7 +60,8 @@ def test_steady_us_leaves_out_the_first_call_of_the_chain():
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
   bench_gemm = _import_bench("bench_gemm")
-  methods = ["fp8_contiguous", "fp8_masked", "bf16_ragged_dot", "bf16_einsum", "fp8_dequant_bf16"]
+  methods = ["fp8_contiguous", "fp8_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_einsum",
+             "fp8_dequant_bf16"]
   assert bench_gemm.main(["--groups", "3", "--rows", "130", "--shapes", "256x384", "--methods", *methods,
                           "--calls", "1", "--max-runs", "2", "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
