@@ -769,8 +769,8 @@ class _Permutation:
 
 
 # Up to this many assignments, sorted positions are counted by comparing every pair (one fused reduction over
-# [A, A]) rather than by a sort: at decode sizes the sort is a custom call that a CUDA graph cannot hold, and the
-# graph is split around it.
+# [A, A]) rather than by a sort: in a decode step on an H200 the radix sort left the GPU idle for 29 us after it
+# (docs/PERFORMANCE.md), about as long as the rest of the permutation.
 _RANK_BY_COMPARISON_MAX = 4096
 
 
