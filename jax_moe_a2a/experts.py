@@ -779,18 +779,16 @@ def _sorted_positions(key: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Arr
   position i, ``pos`` its inverse."""
   num = key.shape[0]
   iota = jnp.arange(num, dtype=jnp.int32)
+  inverse = lambda p: jnp.zeros((num,), jnp.int32).at[p].set(iota, unique_indices=True)
   if num <= _RANK_BY_COMPARISON_MAX:
     # The sorted position of a is how many b come before it: a smaller key, or the same key and b < a.
     kb, ka = key[None, :], key[:, None]
-    before = (kb < ka) | ((kb == ka) & (iota[None, :] < iota[:, None]))
-    pos = jnp.sum(before, axis=1, dtype=jnp.int32)
-    order = jnp.zeros((num,), jnp.int32).at[pos].set(iota, unique_indices=True)
-    return order, pos
+    pos = jnp.sum((kb < ka) | ((kb == ka) & (iota[None, :] < iota[:, None])), axis=1, dtype=jnp.int32)
+    return inverse(pos), pos
   # The narrowest key that holds every value: a radix sort takes one pass per key byte.
   narrow = jnp.uint8 if num_keys <= 2**8 else jnp.uint16 if num_keys <= 2**16 else jnp.int32
   order = jnp.argsort(key.astype(narrow), stable=True).astype(jnp.int32)
-  pos = jnp.zeros((num,), jnp.int32).at[order].set(iota, unique_indices=True)
-  return order, pos
+  return order, inverse(order)
 
 
 def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
