@@ -7,7 +7,8 @@ synchronization), TFLOP/s of the routed experts (2 * T * k * H * 3F per forward,
 T tokens per device), the compiled temp bytes (`compile().memory_analysis()`), the device's peak memory so far,
 and, on GPUs, the time per named stage (router, wire encode, dispatch, wire decode, permute, experts, unpermute,
 combine, ...) from a profiler trace: each kernel is attributed to the innermost stage scope in its HLO
-instruction's op_name; kernels no stage claims are listed with their HLO shape (`unattributed_top`).
+instruction's op_name; each stage's largest kernels are listed with their HLO shape (`stage_top`), and so are the
+kernels no stage claims (`unattributed_top`).
 
 Variants (all with bfloat16 compute and bfloat16 parameters):
   einsum         baseline: an equal-capacity batched einsum of the same FLOPs (T*k/E rows per local expert, no
@@ -216,9 +217,9 @@ def _stage_of(op_name: str) -> str:
   return "other"
 
 
-def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[dict[str, float], list]:
-  """Per stage, milliseconds of GPU kernel time per call (the slowest device), from a profiler trace; and the
-  largest kernels no stage scope claims."""
+def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[dict[str, float], list, dict]:
+  """Per stage, milliseconds of GPU kernel time per call (the slowest device), from a profiler trace; the largest
+  kernels no stage scope claims; and per stage, its largest kernels (averaged over devices)."""
   names = _op_names(hlo_text)
   jax.block_until_ready(fn(*call_args))
   with tempfile.TemporaryDirectory() as d:
@@ -227,7 +228,7 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
         jax.block_until_ready(fn(*call_args))
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-  per_device, unmatched = [], {}
+  per_device, unmatched, per_kernel = [], {}, {}
   for plane in (data.planes if data else []):
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -245,15 +246,21 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
         op_name = names.get(hlo_op) or str(stats.get("tf_op", "")) or names.get(e.name, "")
         stage = _stage_of(op_name) if op_name else "other"
         stages[stage] = stages.get(stage, 0.0) + e.duration_ns / 1e6 / runs
+        kernel = (stage, (hlo_op or e.name)[:80])
+        per_kernel[kernel] = per_kernel.get(kernel, 0.0) + e.duration_ns / 1e6 / runs
         if stage == "other":
           key = (hlo_op or e.name)[:80]
           unmatched[key] = unmatched.get(key, 0.0) + e.duration_ns / 1e6 / runs
     per_device.append(stages)
   if not per_device:
-    return {}, []
+    return {}, [], {}
   slowest = max(per_device, key=lambda s: sum(s.values()))
   top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
-  return slowest, [(k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)) for k, v in top]
+  stage_top: dict[str, list] = {}
+  for (stage, k), v in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+    if stage != "other" and len(stage_top.setdefault(stage, [])) < 4:
+      stage_top[stage].append((k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)))
+  return slowest, [(k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)) for k, v in top], stage_top
 
 
 def _hlo_shape(hlo_text: str, name: str) -> str:
@@ -288,7 +295,7 @@ def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: floa
     # Kernels inside a CUDA graph are not seen one by one in a trace: the breakdown is taken from a build of the
     # same program without command buffers (its total is in stages_ms too; the timed step above uses the default).
     traced = jitted.lower(*jit_args).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
-    row["stages_ms"], row["unattributed_top"] = _stage_times(traced, jit_args, traced.as_text())
+    row["stages_ms"], row["unattributed_top"], row["stage_top"] = _stage_times(traced, jit_args, traced.as_text())
   print(f"  {name:>16} {mode:>8}: {row['ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  (one call synced "
         f"{row['sync_ms']:.3f} ms)  temp "
         f"{row.get('temp_bytes', 0) / 2**30:6.2f} GiB  (compile {row['compile_s']} s, {runs} runs)"
@@ -401,12 +408,14 @@ def main(argv=None) -> int:
     p.error(f"--tokens must be positive, got {args.tokens}")
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
   rows = run(args)
+  timed = any("ms" in r for r in rows)
   path = write_result("layer", {"hidden": args.hidden, "ffn": args.ffn, "top_k": args.top_k,
                                 "local_experts": args.local_experts, "devices": jax.device_count(),
                                 "flops_definition": "2*T*k*H*3F per forward per device, 3x per forward+backward",
                                 "rows": rows}, args.out)
   print("wrote", path)
-  plot_if_possible(path, _plot)
+  if timed:  # nothing to draw when every variant failed
+    plot_if_possible(path, _plot)
   return 0 if all("error" not in r for r in rows) else 1
 
 

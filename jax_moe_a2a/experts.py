@@ -571,11 +571,11 @@ def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up
   with jax.named_scope("unpermute"):
     out = row_ops.sum_rows(y, perm.masked_pos(), topk_weights.astype(jnp.float32), out_dtype=st.out_dtype,
                            impl=st.impl)
-  return out, (saved_rows, h, topk_weights, perm, w_bwd)
+  return out, (saved_rows, h, topk_weights, perm, w_bwd, out.reshape(-1)[:1])
 
 
 def _expert_pass_bwd(st: _PassStatic, res, ct):
-  saved_rows, h, topk_weights, perm, w_bwd = res
+  saved_rows, h, topk_weights, perm, w_bwd, out_first = res
   bf16, f32 = jnp.bfloat16, jnp.float32
   mlp_impl = st.impl if st.fp8 is None else st.fp8.impl
   gs = perm.group_sizes
@@ -589,8 +589,11 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
   with jax.named_scope("unpermute"):
     # The cotangent rows, unweighted, one per sorted assignment (0 for those of no local expert).
     valid_sorted = perm.valid.reshape(-1)[perm.order]
-    ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=valid_sorted.astype(f32), out_dtype=bf16,
-                                    impl=st.impl)
+    # The backward after the forward's output: XLA:GPU otherwise ran the forward's down GEMM late, its SwiGLU fused
+    # with the backward's, and held both [rows * top_k, ffn] copies at once with the backward's buffers (its temp
+    # memory grew 4.5x from 4096 to 16384 tokens). A barrier on the small scale orders it all.
+    scale, _ = jax.lax.optimization_barrier((valid_sorted.astype(f32), out_first))
+    ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
     w_sorted = jnp.where(valid_sorted, topk_weights.reshape(-1).astype(f32)[perm.order], 0.0)[:, None]
   with jax.named_scope("experts"):
     g = grouped_gemm.grouped_gemm_bf16(ct_sorted, w_down, gs, b_layout="kn", impl=mlp_impl)  # ct @ w_down
