@@ -5,7 +5,8 @@ back, each on the next of `--input-sets` activation sets, as a training or servi
 and the median time of one call issued and waited for alone (`sync_ms`, which adds the host's dispatch and
 synchronization), TFLOP/s of the routed experts (2 * T * k * H * 3F per forward, 3x that per forward+backward,
 T tokens per device), the compiled temp bytes (`compile().memory_analysis()`), the device's peak memory so far,
-and, on GPUs, the time per named stage (router, wire encode, dispatch, wire decode, permute, experts, unpermute,
+on GPUs the SM clock and power draw sampled while the steps ran (`common.GpuClocks`: at the power cap, the clock
+sets the step time), and the time per named stage (router, wire encode, dispatch, wire decode, permute, experts, unpermute,
 combine, ...) from a profiler trace: each kernel is attributed to the innermost stage scope in its HLO
 instruction's op_name; each stage's largest kernels are listed with their HLO shape (`stage_top`), and so are the
 kernels no stage claims (`unattributed_top`).
@@ -52,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_if_possible, positive_int, save_plot, time_per_call, time_pipelined, write_result  # noqa: E402
+from common import (GpuClocks, plot_if_possible, positive_int, save_plot, time_per_call,  # noqa: E402
+                    time_pipelined, write_result)
 
 from jax_moe_a2a import moe  # noqa: E402
 from jax_moe_a2a.testing import calc_diff  # noqa: E402
@@ -283,7 +285,9 @@ def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: floa
   jax.block_until_ready(fn(*input_sets[0]))
   first = time.perf_counter() - probe
   runs = args.runs if first < 0.5 / args.chain else max(3, min(args.runs, int(10 / args.chain / max(first, 1e-3))))
-  t = time_pipelined(fn, input_sets, calls=args.chain, warmup=2, runs=runs)
+  with GpuClocks() as clocks:
+    t = time_pipelined(fn, input_sets, calls=args.chain, warmup=2, runs=runs)
+  row.update(clocks.summary())
   row.update(ms=t["median_s"] * 1e3, min_ms=t["min_s"] * 1e3, p90_ms=t["p90_s"] * 1e3, runs=runs,
              chain=args.chain, tflops=flops / t["median_s"] / 1e12)
   t = time_per_call(fn, input_sets, calls_per_run=1, warmup=1, runs=runs)
@@ -297,7 +301,8 @@ def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: floa
     traced = jitted.lower(*jit_args).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
     row["stages_ms"], row["unattributed_top"], row["stage_top"] = _stage_times(traced, jit_args, traced.as_text())
   print(f"  {name:>16} {mode:>8}: {row['ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  (one call synced "
-        f"{row['sync_ms']:.3f} ms)  temp "
+        f"{row['sync_ms']:.3f} ms)" + (f"  SM {row['sm_mhz_median']:.0f} MHz {row['power_w_median']:.0f} W"
+                                      if "sm_mhz_median" in row else "") + "  temp "
         f"{row.get('temp_bytes', 0) / 2**30:6.2f} GiB  (compile {row['compile_s']} s, {runs} runs)"
         + ("" if not row.get("stages_ms") else "  " + ", ".join(
             f"{k} {v:.2f}" for k, v in sorted(row["stages_ms"].items(), key=lambda kv: -kv[1]))), flush=True)

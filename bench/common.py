@@ -62,6 +62,56 @@ def time_pipelined(fn: Callable[..., Any], input_sets: Sequence[tuple], *, calls
           "runs": runs, "calls_per_run": calls}
 
 
+class GpuClocks:
+  """Samples every GPU's SM clock, power draw and clock-limit reasons with `nvidia-smi` while the block runs.
+
+  An H200 running the layer's GEMMs reaches its power cap within about a second and lowers its SM clock (1980 MHz
+  idle to 1200-1650 MHz were seen): step times are read at the clocks recorded beside them. `summary()` is empty
+  where there is no `nvidia-smi` or no GPU backend.
+  """
+
+  QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+  POWER_CAP = 0x4  # the "SW power cap" bit of the clock-limit reasons
+
+  def __init__(self, interval_ms: int = 50):
+    self.interval_ms = interval_ms
+    self.proc = None
+    self.lines: list[str] = []
+
+  def __enter__(self) -> "GpuClocks":
+    if jax.default_backend() == "gpu":
+      try:
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+      except OSError:
+        self.proc = None
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.proc is not None:
+      self.proc.terminate()
+      out, _ = self.proc.communicate(timeout=10)
+      self.lines = out.splitlines()
+
+  def summary(self) -> dict[str, float]:
+    """Median and lowest SM clock (MHz), median and highest power (W), and the fraction of samples at the cap."""
+    clocks, power, capped = [], [], []
+    for line in self.lines:
+      parts = [p.strip() for p in line.split(",")]
+      try:
+        clocks.append(float(parts[0]))
+        power.append(float(parts[1]))
+        capped.append(bool(int(parts[2], 16) & self.POWER_CAP))
+      except (IndexError, ValueError):
+        continue
+    if not clocks:
+      return {}
+    return {"sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks),
+            "power_w_median": round(statistics.median(power), 1), "power_w_max": round(max(power), 1),
+            "power_capped_fraction": round(sum(capped) / len(capped), 2), "clock_samples": len(clocks)}
+
+
 def git_commit() -> str:
   """HEAD of the checkout (+dirty), or $JAX_MOE_A2A_COMMIT where the copy has no git metadata."""
   if os.environ.get("JAX_MOE_A2A_COMMIT"):
