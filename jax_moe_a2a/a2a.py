@@ -51,6 +51,7 @@ from jax.interpreters import mlir
 
 from jax_moe_a2a import _ffi, layout, quant, routing
 from jax_moe_a2a.layout import INVALID_EXPERT
+from jax_moe_a2a.ordering import after  # noqa: F401  (public here too: a2a.after)
 # Workspace: public here too (a2a.Workspace)
 from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, _describe, _row_bytes
 
@@ -234,57 +235,6 @@ def _sum_from_slots(back: jax.Array, send_slot: jax.Array) -> jax.Array:
     sent = (slot >= 0).reshape((num_tokens,) + (1,) * (back.ndim - 2))
     acc = jnp.where(sent, acc + row, acc)
   return acc
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Ordering by data
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _first_bits(a: jax.Array) -> jax.Array:
-  """The bits of ``a``'s first element as a scalar unsigned int."""
-  v = a.reshape(-1)[0]
-  if v.dtype == jnp.bool_:
-    return v.astype(jnp.uint8)
-  info = jnp.finfo(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype)
-  if info.bits not in _UINT_OF_BITS:  # 4-bit types
-    v, info = v.astype(jnp.float32), jnp.finfo(jnp.float32)
-  return jax.lax.bitcast_convert_type(v, _UINT_OF_BITS[info.bits])
-
-
-@jax.custom_jvp
-def _after(x: jax.Array, deps: tuple[jax.Array, ...]) -> jax.Array:
-  # (bits | 1) != 0 always holds, but no compiler can tell from the bits of a value it does not know: the select
-  # keeps x's first element, and x as a whole comes to depend on every dep. One element is rewritten, in place.
-  keep = functools.reduce(jnp.logical_and, [(_first_bits(d) | 1) != 0 for d in deps])
-  idx = (0,) * x.ndim
-  return x.at[idx].set(jnp.where(keep, x[idx], jnp.zeros((), x.dtype)))
-
-
-@_after.defjvp
-def _after_jvp(primals, tangents):
-  return _after(*primals), tangents[0]
-
-
-def after(x: jax.Array, *deps: Any) -> jax.Array:
-  """``x``, unchanged, computed only once every array of ``deps`` (pytrees of arrays) is: a data dependency.
-
-  Orders a collective and a one-sided call (see `Workspace`): ``jax.lax.psum(after(g, y), axis)`` starts after
-  the call that made y, ``dispatch(after(x, s), ...)`` after the psum that made s. Costs a select of one element,
-  which no compiler pass removes (unlike `jax.lax.optimization_barrier`, which XLA:CPU drops before it schedules).
-  Differentiable in x (its gradient is the identity), not in deps. Empty arrays order nothing.
-
-  Args:
-    x: any array.
-    *deps: arrays or pytrees of arrays, any dtype.
-
-  Returns:
-    x, bit for bit, in the same dtype and shape.
-  """
-  leaves = tuple(jnp.asarray(d) for d in jax.tree.leaves(deps) if d.size and d.dtype != jax.dtypes.float0)
-  if not leaves or not x.size or x.dtype == jax.dtypes.float0:
-    return x
-  return _after(jnp.asarray(x), leaves)
 
 
 # ----------------------------------------------------------------------------------------------------------------

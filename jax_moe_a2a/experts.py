@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_moe_a2a import grouped_gemm, quant, routing
+from jax_moe_a2a import grouped_gemm, ordering, quant, routing
 from jax_moe_a2a import rows as row_ops
 
 
@@ -591,8 +591,8 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
     valid_sorted = perm.valid.reshape(-1)[perm.order]
     # The backward after the forward's output: XLA:GPU otherwise ran the forward's down GEMM late, its SwiGLU fused
     # with the backward's, and held both [rows * top_k, ffn] copies at once with the backward's buffers (its temp
-    # memory grew 4.5x from 4096 to 16384 tokens). A barrier on the small scale orders it all.
-    scale, _ = jax.lax.optimization_barrier((valid_sorted.astype(f32), out_first))
+    # memory grew 4.5x from 4096 to 16384 tokens). Ordering the small scale orders it all.
+    scale = ordering.after(valid_sorted.astype(f32), out_first)
     ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
     w_sorted = jnp.where(valid_sorted, topk_weights.reshape(-1).astype(f32)[perm.order], 0.0)[:, None]
   with jax.named_scope("experts"):
