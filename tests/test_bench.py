@@ -148,3 +148,15 @@ def test_bench_layer_attributes_ops_to_their_innermost_stage():
   assert bench_layer._hlo_shape(hlo, "fusion.3") == "bf16[4,8]{1,0}"  # pylint: disable=protected-access
   assert bench_layer._hlo_shape(hlo, "custom-call.1") == "f32[2]{0}"  # pylint: disable=protected-access
   assert bench_layer._hlo_shape(hlo, "fusion.4") == ""  # pylint: disable=protected-access
+
+
+def test_fp8_error_budget_adds_up_and_refuses_sizes_off_the_blocks(capsys):
+  budget = _import_bench("fp8_error_budget")
+  b = budget.budget(rows=256, hidden=256, ffn=128, seed=1)
+  singles = [b[k] for k in ("x (1x128)", "w_gate_up (128x128)", "act (1x128)", "w_down (128x128)")]
+  # Each E4M3 rounding costs a few 1e-4 (3 mantissa bits); independent errors add up, so all four is about the sum.
+  assert all(1e-4 < v < 2e-3 for v in singles), b
+  assert 0.8 * sum(singles) < b["all four"] < 1.2 * sum(singles), b
+  with pytest.raises(SystemExit):
+    budget.main(["--hidden", "200"])
+  assert "--hidden must be a multiple of 128, got 200" in capsys.readouterr().err
