@@ -298,7 +298,8 @@ def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_expe
   out_dtype = jnp.dtype(out_dtype) if jnp.dtype(out_dtype) in COMBINE_DTYPES else jnp.dtype(jnp.float32)
   st = _CombineStatic(axis_name=axis_name, expert_dtype=workspace.combine_dtype,
                       out_dtype=out_dtype, num_experts=num_experts, workspace=workspace)
-  return _ffi_combine(st, ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts)
+  with jax.named_scope("moe_dispatch"):  # the dispatch's backward (a VJP's own ops carry no caller scope)
+    return _ffi_combine(st, ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts)
 
 
 def _dispatch_bwd(st: _DispatchStatic, res, cts):
