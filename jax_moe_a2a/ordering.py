@@ -24,13 +24,26 @@ def _first_bits(a: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{info.bits}"))
 
 
+def _other_than(v: jax.Array) -> jax.Array:
+  """A scalar of v's dtype whose bits differ from v's (all flipped; 4-bit types: v + 1, which may not differ)."""
+  if v.dtype == jnp.bool_:
+    return jnp.logical_not(v)
+  bits = jnp.finfo(v.dtype).bits if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype).bits
+  if bits not in (8, 16, 32, 64):
+    return v + jnp.ones((), v.dtype)
+  u = jnp.dtype(f"uint{bits}")
+  return jax.lax.bitcast_convert_type(jnp.bitwise_not(jax.lax.bitcast_convert_type(v, u)), v.dtype)
+
+
 @jax.custom_jvp
 def _after(x: jax.Array, deps: tuple[jax.Array, ...]) -> jax.Array:
   # (bits | 1) != 0 always holds, but no compiler can tell from the bits of a value it does not know: the select
   # keeps x's first element, and x as a whole comes to depend on every dep. One element is rewritten, in place.
+  # The other branch differs from x's element even where x is a constant: select(p, c, c) would fold to c, and the
+  # dependency with it (a zero cotangent is such a constant).
   keep = functools.reduce(jnp.logical_and, [(_first_bits(d) | 1) != 0 for d in deps])
   idx = (0,) * x.ndim
-  return x.at[idx].set(jnp.where(keep, x[idx], jnp.zeros((), x.dtype)))
+  return x.at[idx].set(jnp.where(keep, x[idx], _other_than(x[idx])))
 
 
 @_after.defjvp

@@ -312,6 +312,18 @@ def test_after_keeps_every_bit_and_a_dependency_the_compiler_keeps():
   assert re.search(rf"[(,] ?%{re.escape(param)}\b", entry), entry
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8, jnp.bool_, jnp.int4])
+def test_after_keeps_its_dependency_when_x_is_a_constant(dtype):
+  # A zero cotangent reaches `after` as a constant: the compiled program must still read the dependency.
+  dep = jnp.array([-0.0, 2.0], jnp.bfloat16)
+  f = jax.jit(lambda d: a2a.after(jnp.zeros((3,), dtype), d))
+  entry = f.lower(dep).compile().as_text()
+  entry = entry[entry.index("ENTRY"):]
+  param = re.search(r"%([\w.\-]+) = bf16\[2\]\{0\} parameter\(0\)", entry).group(1)
+  assert re.search(rf"[(,] ?%{re.escape(param)}\b", entry), entry
+  np.testing.assert_array_equal(np.asarray(f(dep)), np.zeros((3,), dtype))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Many training steps, each case in a subprocess under a time limit
 # ----------------------------------------------------------------------------------------------------------------
