@@ -6,8 +6,8 @@ and the median time of one call issued and waited for alone (`sync_ms`, which ad
 synchronization), TFLOP/s of the routed experts (2 * T * k * H * 3F per forward, 3x that per forward+backward,
 T tokens per device), the compiled temp bytes (`compile().memory_analysis()`), the device's peak memory so far,
 on GPUs the SM clock and power draw sampled while the steps ran (`common.GpuClocks`: at the power cap, the clock
-sets the step time), and the time per named stage (router, wire encode, dispatch, wire decode, permute, experts, unpermute,
-combine, ...) from a profiler trace: each kernel is attributed to the innermost stage scope in its HLO
+sets the step time), and the time per named stage (router, wire encode, dispatch, wire decode, permute, experts,
+unpermute, combine, ...) from a profiler trace: each kernel is attributed to the innermost stage scope in its HLO
 instruction's op_name; each stage's largest kernels are listed with their HLO shape (`stage_top`), and so are the
 kernels no stage claims (`unattributed_top`).
 

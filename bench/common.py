@@ -66,7 +66,7 @@ class GpuClocks:
   """Samples every GPU's SM clock, power draw and clock-limit reasons with `nvidia-smi` while the block runs.
 
   An H200 running the layer's GEMMs reaches its power cap within about a second and lowers its SM clock (1980 MHz
-  idle to 1200-1650 MHz were seen): step times are read at the clocks recorded beside them. `summary()` is empty
+  idle to 1200-1770 MHz were seen): step times are read at the clocks recorded beside them. `summary()` is empty
   where there is no `nvidia-smi` or no GPU backend.
   """
 
