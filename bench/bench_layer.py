@@ -230,7 +230,7 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
         jax.block_until_ready(fn(*call_args))
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-  per_device, unmatched, per_kernel = [], {}, {}
+  per_device, per_kernel = [], {}
   for plane in (data.planes if data else []):
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -250,19 +250,15 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
         stages[stage] = stages.get(stage, 0.0) + e.duration_ns / 1e6 / runs
         kernel = (stage, (hlo_op or e.name)[:80])
         per_kernel[kernel] = per_kernel.get(kernel, 0.0) + e.duration_ns / 1e6 / runs
-        if stage == "other":
-          key = (hlo_op or e.name)[:80]
-          unmatched[key] = unmatched.get(key, 0.0) + e.duration_ns / 1e6 / runs
     per_device.append(stages)
   if not per_device:
     return {}, [], {}
   slowest = max(per_device, key=lambda s: sum(s.values()))
-  top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
-  stage_top: dict[str, list] = {}
+  top: dict[str, list] = {}  # per stage ("other" too), its largest kernels, in ms averaged over devices
   for (stage, k), v in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-    if stage != "other" and len(stage_top.setdefault(stage, [])) < 4:
-      stage_top[stage].append((k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)))
-  return slowest, [(k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)) for k, v in top], stage_top
+    if len(top.setdefault(stage, [])) < (8 if stage == "other" else 4):
+      top[stage].append((k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)))
+  return slowest, top.pop("other", []), top
 
 
 def _hlo_shape(hlo_text: str, name: str) -> str:

@@ -13,26 +13,31 @@ import jax
 import jax.numpy as jnp
 
 
+def _uint(dtype) -> Any:
+  """The unsigned int type of dtype's width, or None (bool, 4-bit types)."""
+  if dtype == jnp.bool_:
+    return None
+  bits = jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).bits
+  return jnp.dtype(f"uint{bits}") if bits in (8, 16, 32, 64) else None
+
+
 def _first_bits(a: jax.Array) -> jax.Array:
   """The bits of ``a``'s first element as a scalar unsigned int."""
   v = a.reshape(-1)[0]
   if v.dtype == jnp.bool_:
     return v.astype(jnp.uint8)
-  info = jnp.finfo(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype)
-  if info.bits not in (8, 16, 32, 64):  # 4-bit types
-    v, info = v.astype(jnp.float32), jnp.finfo(jnp.float32)
-  return jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{info.bits}"))
+  if _uint(v.dtype) is None:  # 4-bit types
+    v = v.astype(jnp.float32)
+  return jax.lax.bitcast_convert_type(v, _uint(v.dtype))
 
 
 def _other_than(v: jax.Array) -> jax.Array:
   """A scalar of v's dtype whose bits differ from v's (all flipped; 4-bit types: v + 1, which may not differ)."""
   if v.dtype == jnp.bool_:
     return jnp.logical_not(v)
-  bits = jnp.finfo(v.dtype).bits if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype).bits
-  if bits not in (8, 16, 32, 64):
+  if _uint(v.dtype) is None:
     return v + jnp.ones((), v.dtype)
-  u = jnp.dtype(f"uint{bits}")
-  return jax.lax.bitcast_convert_type(jnp.bitwise_not(jax.lax.bitcast_convert_type(v, u)), v.dtype)
+  return jax.lax.bitcast_convert_type(jnp.bitwise_not(jax.lax.bitcast_convert_type(v, _uint(v.dtype))), v.dtype)
 
 
 @jax.custom_jvp
