@@ -29,6 +29,7 @@ _PUBLIC = {
     "make_workspace": "moe", "moe_dense_reference": "moe",
     # Flax, and Hugging Face checkpoints
     "MoE": "flax_moe", "LinenMoE": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
+    "load_hf_layer": "checkpoints",
     # the exchange
     "Workspace": "workspace", "dispatch": "a2a", "combine": "a2a", "dispatch_two_level": "a2a",
     "combine_two_level": "a2a",
