@@ -368,11 +368,17 @@ def _check_bf16_sizes(op: str, hidden: int, ffn: int) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# How the FP8 experts' backward computes: "bf16" is straight-through on the bf16 grouped GEMMs; "fp8" runs the
+# data gradients on the FP8 grouped GEMM (cotangent rows quantized 1x128, the forward's FP8 weights transposed).
+BACKWARDS = ("bf16", "fp8")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Fp8MlpStatic:
   impl: str
   x_dtype: Any  # dtype of a float x (its cotangent's dtype), or None for an FP8 x
   w_dtype: Any  # dtype of float weights, or None for FP8 weights
+  backward: str = "bf16"  # one of BACKWARDS
 
 
 def _masked_mlp_reference(x, group_sizes, w_gate_up, w_down):
@@ -421,9 +427,47 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
   del ffn
   q, q_sf = _swiglu_quantize_rows(h, st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
-  # The backward reads float weights as they are (cast to bfloat16), FP8 ones dequantized.
-  w_bwd = (w_gate_up, w_down) if st.w_dtype is not None else (gu, gu_sf, dn, dn_sf)
-  return y, (a, a_sf, h, group_sizes, w_bwd)
+  return y, (a, a_sf, h, group_sizes, _weights_for_backward(st, w_gate_up, w_down, (gu, gu_sf, dn, dn_sf)))
+
+
+def _weights_for_backward(st: _Fp8MlpStatic, w_gate_up, w_down, fp8):
+  """What the backward reads of the weights: (float weights or None, the forward's FP8 weights or None).
+
+  Float weights are read as they are (their gradient's dtype, and the bf16 backward's operands); FP8 ones are the
+  bf16 backward's operands dequantized and the FP8 backward's operands transposed."""
+  float_w = (w_gate_up, w_down) if st.w_dtype is not None else None
+  return float_w, (fp8 if st.w_dtype is None or st.backward == "fp8" else None)
+
+
+def _bf16_weights(w_bwd):
+  """(w_gate_up, w_down) in bfloat16 for the bf16 backward: float weights cast, FP8 weights dequantized."""
+  float_w, fp8 = w_bwd
+  if float_w is not None:
+    return float_w[0].astype(jnp.bfloat16), float_w[1].astype(jnp.bfloat16)
+  gu, gu_sf, dn, dn_sf = fp8
+  return (quant.dequantize_fp8_weight(gu, gu_sf, dtype=jnp.bfloat16),
+          quant.dequantize_fp8_weight(dn, dn_sf, dtype=jnp.bfloat16))
+
+
+def _transposed(w: jax.Array, w_sf: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """FP8 weights [G, N, K] with 128x128 block scales as [G, K, N]: each block's scale moves with its block, so
+  this is exactly what quantizing the transposed weights gives (the amax of a block is that of its transpose)."""
+  return jnp.swapaxes(w, -1, -2), jnp.swapaxes(w_sf, -1, -2)
+
+
+def _data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8, weight=None):
+  """The FP8 backward's data gradients: g = ct @ w_down and dx = dh @ w_gate_up on the FP8 grouped GEMM.
+
+  ct arrives quantized 1x128 (codes and scales); dh is quantized 1x128 here. `weight` (per row, float32 [..., 1])
+  scales d_act before the SwiGLU backward (the expert pass's routing weight). Returns (g, dh, dx), g and dx
+  bfloat16, dh float32."""
+  gu, gu_sf, dn, dn_sf = fp8
+  g = grouped_gemm.grouped_gemm_fp8(ct_q, ct_sf, *_transposed(dn, dn_sf), group_sizes, impl=impl)
+  d_act = g.astype(jnp.float32) if weight is None else weight * g.astype(jnp.float32)
+  dh = _swiglu_bwd(h, d_act)
+  dh_q, dh_sf = _quantize_rows(dh, impl)
+  dx = grouped_gemm.grouped_gemm_fp8(dh_q, dh_sf, *_transposed(gu, gu_sf), group_sizes, impl=impl)
+  return g, dh, dx
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -435,23 +479,32 @@ def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
   a, a_sf, h, group_sizes, w_bwd = res
   bf16 = jnp.bfloat16
   hidden = a.shape[-1]
-  # Straight-through: the bfloat16 MLP's gradient at the quantized activations, the forward's gate/up rows and
-  # the weights (float weights rounded to bfloat16, FP8 weights dequantized).
+  wgrad_dtype = None if st.w_dtype is None else (
+      jnp.dtype(jnp.float32) if st.w_dtype == jnp.dtype(jnp.float32) else jnp.dtype(bf16))
+  # The bf16 backward (and the weight gradients of both) is straight-through: the bfloat16 MLP's gradient at the
+  # quantized activations, the forward's gate/up rows and the weights (float weights rounded to bfloat16, FP8
+  # weights dequantized).
   x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
                                      dtype=bf16).reshape(a.shape)
-  if st.w_dtype is not None:
-    w_gate_up, w_down = w_bwd[0].astype(bf16), w_bwd[1].astype(bf16)
-  else:
-    gu, gu_sf, dn, dn_sf = w_bwd
-    w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
-    w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
-  if a.ndim == 3:
-    mlp = lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd)
-    _, vjp = jax.vjp(mlp, x, w_gate_up, w_down)
+  needs_bf16_weights = st.backward == "bf16" or a.ndim == 3 and wgrad_dtype is not None
+  w_gate_up, w_down = _bf16_weights(w_bwd) if needs_bf16_weights else (None, None)
+  if st.backward == "fp8":
+    ct_q, ct_sf = _quantize_rows(ct, st.impl)
+    _, dh, dx = _data_gradients_fp8(st.impl, ct_q, ct_sf, h, group_sizes, w_bwd[1])
+    dw_gu = dw_dn = None
+    if wgrad_dtype is not None and a.ndim == 3:
+      _, vjp = jax.vjp(lambda wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), w_gate_up, w_down)
+      dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
+    elif wgrad_dtype is not None:
+      act = _swiglu(h).astype(bf16)
+      dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct.astype(bf16), act, group_sizes, out_dtype=wgrad_dtype,
+                                                   impl=st.impl)
+      dw_gu = grouped_gemm.grouped_gemm_bf16_wgrad(dh.astype(bf16), x, group_sizes, out_dtype=wgrad_dtype,
+                                                   impl=st.impl)
+  elif a.ndim == 3:
+    _, vjp = jax.vjp(lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), x, w_gate_up, w_down)
     dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
   else:
-    wgrad_dtype = None if st.w_dtype is None else (
-        jnp.dtype(jnp.float32) if st.w_dtype == jnp.dtype(jnp.float32) else jnp.dtype(jnp.bfloat16))
     dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype)
   dx = None if st.x_dtype is None else dx.astype(st.x_dtype)
   if st.w_dtype is None:
@@ -464,7 +517,7 @@ def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
 _mlp_fp8.defvjp(_mlp_fp8_fwd, _mlp_fp8_bwd)
 
 
-def _fp8_mlp_static(op: str, x, x_sf, weights: ExpertWeights, impl: str) -> _Fp8MlpStatic:
+def _fp8_mlp_static(op: str, x, x_sf, weights: ExpertWeights, impl: str, backward: str = "bf16") -> _Fp8MlpStatic:
   """Checks the operands of the FP8 MLP; returns its static settings."""
   hidden = x.shape[-1]
   num_groups, ffn = _check_weights(op, weights, hidden)
@@ -482,13 +535,15 @@ def _fp8_mlp_static(op: str, x, x_sf, weights: ExpertWeights, impl: str) -> _Fp8
     raise ValueError(f"{op}: x_sf is only for float8_e4m3fn x, got x of dtype {jnp.dtype(x.dtype).name}")
   if weights.is_fp8 and jnp.dtype(weights.w_gate_up.dtype) != jnp.dtype(jnp.float8_e4m3fn):
     raise TypeError(f"{op}: FP8 weights must be float8_e4m3fn, got {jnp.dtype(weights.w_gate_up.dtype).name}")
+  if backward not in BACKWARDS:
+    raise ValueError(f"{op}: backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
   st = _Fp8MlpStatic(impl=impl, x_dtype=None if fp8_x else jnp.dtype(x.dtype),
-                     w_dtype=None if weights.is_fp8 else jnp.dtype(weights.w_gate_up.dtype))
+                     w_dtype=None if weights.is_fp8 else jnp.dtype(weights.w_gate_up.dtype), backward=backward)
   return st
 
 
 def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                   x_sf: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
+                   x_sf: Optional[jax.Array] = None, impl: str = "auto", backward: str = "bf16") -> jax.Array:
   """The grouped SwiGLU MLP in FP8: gate/up grouped GEMM -> SwiGLU -> 1x128 requantization -> down grouped GEMM.
 
   Both matmuls are `grouped_gemm.grouped_gemm_fp8` (E4M3 operands, float32 accumulation, bfloat16 output);
@@ -496,12 +551,14 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
   `quant.quantize_fp8_blockwise`. Float activations and float weights are quantized here (1x128 and 128x128
   blocks); FP8 ones are used as they are.
 
-  Gradients (a custom VJP) are bfloat16 and straight-through: the backward pass is that of the bfloat16 MLP
-  evaluated at the dequantized FP8 activations, the forward's gate/up rows and the weights (float weights rounded
-  to bfloat16 -- not their FP8 forms --, FP8 weights dequantized), on the bf16 grouped GEMMs of
+  Gradients (a custom VJP), `backward="bf16"`: bfloat16 and straight-through: the backward pass is that of the
+  bfloat16 MLP evaluated at the dequantized FP8 activations, the forward's gate/up rows and the weights (float
+  weights rounded to bfloat16 -- not their FP8 forms --, FP8 weights dequantized), on the bf16 grouped GEMMs of
   `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
-  it is evaluated. Float x and float weights get cotangents in their
-  own dtypes; FP8 inputs, scales and group_sizes get none.
+  it is evaluated. `backward="fp8"`: the data gradient runs on the FP8 grouped GEMM as DeepSeek-V3 trains: the
+  output cotangent rows and the SwiGLU backward's rows quantized 1x128, times the forward's FP8 weights
+  transposed (codes and 128x128 block scales, exact); the weight gradients stay as with "bf16". Float x and float
+  weights get cotangents in their own dtypes; FP8 inputs, scales and group_sizes get none.
 
   Args:
     x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
@@ -511,11 +568,12 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
       must be multiples of 128.
     x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
     impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
+    backward: "bf16" or "fp8" (`BACKWARDS`): how the data gradient is computed, see above.
 
   Returns:
     bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
   """
-  st = _fp8_mlp_static("swiglu_mlp_fp8", x, x_sf, weights, impl)
+  st = _fp8_mlp_static("swiglu_mlp_fp8", x, x_sf, weights, impl, backward)
   return _mlp_fp8(st, x, x_sf, group_sizes.astype(jnp.int32), weights.w_gate_up, weights.w_gate_up_sf,
                   weights.w_down, weights.w_down_sf)
 
@@ -567,7 +625,7 @@ def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up
     with jax.named_scope("experts"):
       mlp_st = _Bf16MlpStatic(impl=st.impl, dtypes=(jnp.dtype(jnp.bfloat16),) * 3)
       y, (_, h, _, gu, dn) = _mlp_bf16_fwd(mlp_st, x_sorted, perm.group_sizes, w_gate_up, w_down)
-    saved_rows, w_bwd = xb, (gu, dn)
+    saved_rows, w_bwd = xb, ((gu, dn), None)
   with jax.named_scope("unpermute"):
     out = row_ops.sum_rows(y, perm.masked_pos(), topk_weights.astype(jnp.float32), out_dtype=st.out_dtype,
                            impl=st.impl)
@@ -578,29 +636,35 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
   saved_rows, h, topk_weights, perm, w_bwd, out_first = res
   bf16, f32 = jnp.bfloat16, jnp.float32
   mlp_impl = st.impl if st.fp8 is None else st.fp8.impl
+  fp8_backward = st.fp8 is not None and st.fp8.backward == "fp8"
   gs = perm.group_sizes
   pos = perm.pos.reshape(perm.valid.shape)
-  if st.fp8 is None or st.fp8.w_dtype is not None:
-    w_gate_up, w_down = w_bwd[0].astype(bf16), w_bwd[1].astype(bf16)
-  else:
-    gu, gu_sf, dn, dn_sf = w_bwd
-    w_gate_up = quant.dequantize_fp8_weight(gu, gu_sf, dtype=bf16)
-    w_down = quant.dequantize_fp8_weight(dn, dn_sf, dtype=bf16)
   with jax.named_scope("unpermute"):
     # The cotangent rows, unweighted, one per sorted assignment (0 for those of no local expert).
     valid_sorted = perm.valid.reshape(-1)[perm.order]
+    w_sorted = jnp.where(valid_sorted, topk_weights.reshape(-1).astype(f32)[perm.order], 0.0)[:, None]
     # The backward after the forward's output: XLA:GPU otherwise ran the forward's down GEMM late, its SwiGLU fused
     # with the backward's, and held both [rows * top_k, ffn] copies at once with the backward's buffers (its temp
     # memory grew 4.5x from 4096 to 16384 tokens). Ordering the small scale orders it all.
     scale = ordering.after(valid_sorted.astype(f32), out_first)
-    ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
-    w_sorted = jnp.where(valid_sorted, topk_weights.reshape(-1).astype(f32)[perm.order], 0.0)[:, None]
+    if fp8_backward:
+      # Each row quantized once and its codes expanded, as the forward does with x. Assignments of no local
+      # expert sort past every group, where the FP8 GEMM writes 0.
+      ct_q, ct_sf = _quantize_rows(ordering.after(ct, scale), mlp_impl)
+      ct_q, ct_sf = row_ops.scatter_rows(ct_q, pos, impl=mlp_impl), row_ops.scatter_rows(ct_sf, pos, impl=mlp_impl)
+    if not fp8_backward or st.w_dtypes is not None:
+      ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
   with jax.named_scope("experts"):
-    g = grouped_gemm.grouped_gemm_bf16(ct_sorted, w_down, gs, b_layout="kn", impl=mlp_impl)  # ct @ w_down
     act = _swiglu(h)
+    if fp8_backward:
+      g, dh, dx_sorted = _data_gradients_fp8(mlp_impl, ct_q, ct_sf, h, gs, w_bwd[1], weight=w_sorted)
+      dh = dh.astype(bf16)
+    else:
+      w_gate_up, w_down = _bf16_weights(w_bwd)
+      g = grouped_gemm.grouped_gemm_bf16(ct_sorted, w_down, gs, b_layout="kn", impl=mlp_impl)  # ct @ w_down
+      dh = _swiglu_bwd(h, w_sorted * g.astype(f32)).astype(bf16)
+      dx_sorted = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, gs, b_layout="kn", impl=mlp_impl)
     d_w = jnp.sum(act * g.astype(f32), axis=-1)  # <act, ct @ w_down> = <y, ct> per sorted assignment
-    dh = _swiglu_bwd(h, w_sorted * g.astype(f32)).astype(bf16)
-    dx_sorted = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, gs, b_layout="kn", impl=mlp_impl)
     dw_gu = dw_dn = None
     if st.w_dtypes is not None:
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
@@ -627,7 +691,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
                  weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None,
                  wire_codes: Optional[tuple[jax.Array, jax.Array]] = None, out_dtype=jnp.bfloat16,
                  compute_dtype=jnp.bfloat16, method: str = "auto",
-                 gemm_impl: Optional[str] = None, impl: str = "auto") -> jax.Array:
+                 gemm_impl: Optional[str] = None, impl: str = "auto", backward: str = "bf16") -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
@@ -655,6 +719,8 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
       (lossless for rows that arrived in fp8_blockwise and were decoded exactly, so both give the same result);
       float weights are quantized 128x128.
     impl: "auto", "ffi" or "reference", for the bf16 grouped GEMMs.
+    backward: with gemm_impl, how the FP8 experts' data gradient is computed (`swiglu_mlp_fp8`'s `backward`:
+      "bf16" straight-through, or "fp8" on the FP8 grouped GEMM).
 
   Rows are permuted in their own dtype (decoded to compute_dtype, or FP8 codes with their scales), the expert
   outputs stay bfloat16 until the weighted sum, and both directions are gathers (the gradients too), so no
@@ -707,7 +773,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     perm = _permutation(recv_topk_ids.reshape(-1, top_k), num_local_experts)
   out_dtype = jnp.dtype(out_dtype)
   if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
-    st = _fp8_mlp_static(op, rows, None, weights, gemm_impl)
+    st = _fp8_mlp_static(op, rows, None, weights, gemm_impl, backward)
     pass_st = _PassStatic(fp8=st, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
                           w_dtypes=None if weights.is_fp8 else (jnp.dtype(weights.w_gate_up.dtype),
                                                                 jnp.dtype(weights.w_down.dtype)))
@@ -727,7 +793,8 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
         x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
     with jax.named_scope("experts"):
       if fp8_rows:
-        y_sorted = swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl)
+        y_sorted = swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl,
+                                  backward=backward)
       else:
         y_sorted = swiglu_mlp_xla(x_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype, method=method)
     with jax.named_scope("unpermute"):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe_a2a import experts, quant
+from jax_moe_a2a import experts, grouped_gemm, quant
 
 HIDDEN, FFN, LOCAL, TOP_K = 256, 128, 3, 4
 TOL = 1e-5
@@ -348,3 +348,104 @@ def test_grouped_gemm_experts_save_each_row_once_and_no_expert_output(gemm_impl)
   assert (num_rows * TOP_K, 2 * FFN) in saved  # the gate/up rows
   assert (num_rows, HIDDEN) in saved  # the rows, once
   assert not [s for s in saved if len(s) == 2 and s[0] == num_rows * TOP_K and s[1] != 2 * FFN], saved
+
+
+def _qdq_rows(v):
+  """v [M, K] through the 1x128 quantizer and back, float32: what the FP8 GEMM multiplies."""
+  q, sf = quant.quantize_fp8_blockwise(jnp.asarray(v, jnp.float32), impl="reference")
+  return np.asarray(quant.dequantize_fp8_blockwise(q, sf, dtype=jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_fp8_backward_is_the_fp8_data_gradient(impl):
+  """backward="fp8": the data gradient is dx = Q(dh) @ W_gu and dh from g = Q(ct) @ W_dn, Q the 1x128 quantizer,
+  W the forward's FP8 weights: against that product emulated in float64 (within the bf16 rounding of g and dx, and
+  dh's quantization where g rounded the other way: max error 1e-2 of max |dx|); the weight gradients are the bf16
+  GEMMs' (dw_gate_up on the FP8 path's dh); against the float32 MLP every gradient is within FP8 error (calc_diff
+  5e-3)."""
+  from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
+  if impl == "ffi" and not _ffi.available():
+    pytest.skip("compiled extension not built")
+  rng = np.random.default_rng(21)
+  x = jnp.asarray(rng.standard_normal((300, HIDDEN)), jnp.bfloat16)
+  sizes = jnp.asarray([120, 0, 170], jnp.int32)  # 10 rows no expert owns
+  weights = _weights(21)
+  ct = jnp.asarray(rng.standard_normal((300, HIDDEN)), jnp.float32)
+
+  def loss(backward):
+    def f(x, gu, dn):
+      y = experts.swiglu_mlp_fp8(x, sizes, experts.ExpertWeights(gu, dn), impl=impl, backward=backward)
+      return jnp.sum(y.astype(jnp.float32) * ct)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  args = (x, weights.w_gate_up, weights.w_down)
+  fp8, bf16 = loss("fp8")(*args), loss("bf16")(*args)
+  # The emulation: the forward's FP8 weights and its gate/up rows (as the forward's GEMM made them: the products
+  # below are quantized again, so they must start from the same bits), then the two FP8 data-gradient products.
+  gu_q, gu_sf = quant.quantize_fp8_weight(weights.w_gate_up, impl="reference")
+  dn_q, dn_sf = quant.quantize_fp8_weight(weights.w_down, impl="reference")
+  gu = np.asarray(quant.dequantize_fp8_weight(gu_q, gu_sf), np.float64)
+  dn = np.asarray(quant.dequantize_fp8_weight(dn_q, dn_sf), np.float64)
+  x_q, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  h_all = grouped_gemm.grouped_gemm_fp8(x_q, x_sf, gu_q, gu_sf, sizes, impl="reference")
+  ct_b = np.asarray(ct.astype(jnp.bfloat16), np.float32)  # the cotangent of the bf16 output
+  want = np.zeros((300, HIDDEN))
+  start = 0
+  for e, n in enumerate(np.asarray(sizes)):
+    rows = slice(start, start + n)
+    g = np.asarray(jnp.asarray(_qdq_rows(ct_b[rows]) @ dn[e], jnp.bfloat16), np.float32)  # bf16 out
+    dh = experts._swiglu_bwd(h_all[rows], jnp.asarray(g))  # pylint: disable=protected-access
+    want[rows] = _qdq_rows(np.asarray(dh)) @ gu[e]
+    start += n
+  got = np.asarray(fp8[0], np.float64)
+  assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+  assert not np.any(got[290:])
+  assert not np.array_equal(np.asarray(fp8[0]), np.asarray(bf16[0]))  # the FP8 path is the one taken
+  np.testing.assert_array_equal(fp8[2], bf16[2])  # dw_down = ct^T act in both
+  f32 = lambda x, gu, dn: jnp.sum(experts.swiglu_mlp_xla(x, sizes, experts.ExpertWeights(gu, dn),
+                                                         compute_dtype=jnp.float32, method="tiled") * ct)
+  ref = jax.jit(jax.grad(f32, argnums=(0, 1, 2)))(x.astype(jnp.float32), *args[1:])
+  for name, a, b in zip(("x", "w_gate_up", "w_down"), fp8, ref):
+    assert calc_diff(a, b) < 5e-3, name
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(fp8_weights):
+  """The expert pass with backward="fp8" (the layer's FP8 path) against plain autodiff of the dense float32
+  oracle at the same (dequantized) weights: calc_diff 5e-3 for every gradient; padding gets exact zeros."""
+  from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
+  x, ids, w = _layout(23, capacity=40)
+  weights = _weights(23)
+  if fp8_weights:
+    weights = experts.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
+  ct = np.random.default_rng(24).standard_normal(x.shape).astype(np.float32)
+
+  def stage(backward):
+    def f(x, w, gu, dn):
+      wt = experts.ExpertWeights(gu, dn, weights.w_gate_up_sf, weights.w_down_sf)
+      out = experts.expert_stage(x, jnp.asarray(ids), w, wt, out_dtype=jnp.float32, gemm_impl="auto",
+                                 backward=backward)
+      return jnp.sum(out * ct)
+    return f
+
+  def dense(x, w, gu, dn):
+    return jnp.sum(_dense_jax_oracle(x, jnp.asarray(ids), w, gu, dn) * ct)
+
+  argnums = (0, 1) if fp8_weights else (0, 1, 2, 3)
+  args = (jnp.asarray(x), jnp.asarray(w), weights.w_gate_up, weights.w_down)
+  got = jax.jit(jax.grad(stage("fp8"), argnums=argnums))(*args)
+  bf16 = jax.jit(jax.grad(stage("bf16"), argnums=argnums))(*args)
+  gu, dn = weights.dequantized(jnp.float32)
+  want = jax.jit(jax.grad(dense, argnums=argnums))(*args[:2], gu, dn)
+  for name, a, b in zip(("x", "weights", "w_gate_up", "w_down"), got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    assert calc_diff(a, b) < 5e-3, name
+  assert not np.array_equal(np.asarray(got[0]), np.asarray(bf16[0]))
+  assert not np.any(np.asarray(got[0])[:, -3:]) and not np.any(np.asarray(got[1])[ids < 0])
+
+
+def test_an_unknown_backward_is_refused():
+  x = jnp.zeros((4, HIDDEN), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"swiglu_mlp_fp8: backward must be one of bf16, fp8, got 'fp4'"):
+    experts.swiglu_mlp_fp8(x, jnp.asarray([4, 0, 0], jnp.int32), _weights(0), backward="fp4")
