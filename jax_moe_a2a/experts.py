@@ -427,7 +427,27 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
   del ffn
   q, q_sf = _swiglu_quantize_rows(h, st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
-  return y, (a, a_sf, h, group_sizes, _weights_for_backward(st, w_gate_up, w_down, (gu, gu_sf, dn, dn_sf)))
+  return y, (a, a_sf, _kept_gate_up(st, h), group_sizes,
+             _weights_for_backward(st, w_gate_up, w_down, (gu, gu_sf, dn, dn_sf)))
+
+
+def _kept_gate_up(st: _Fp8MlpStatic, h: jax.Array):
+  """What the backward keeps of the gate/up rows h [..., 2F]: h itself (bfloat16), or for the FP8 backward its
+  1x128 FP8 codes and scales (half the bytes; the backward's SwiGLU derivative then starts from these values)."""
+  if st.backward != "fp8":
+    return h
+  return _quantize_rows(h, st.impl)
+
+
+def _gate_up(kept) -> jax.Array:
+  """The gate/up rows the backward computes from (bfloat16): `_kept_gate_up`'s h, or its FP8 codes decoded (exact
+  in bfloat16, whose exponent range is float32's)."""
+  if not isinstance(kept, tuple):
+    return kept
+  q, sf = kept
+  f = q.shape[-1]
+  return quant.dequantize_fp8_blockwise(q.reshape(-1, f), sf.reshape(-1, f // quant.FP8_BLOCK),
+                                        dtype=jnp.bfloat16).reshape(q.shape)
 
 
 def _weights_for_backward(st: _Fp8MlpStatic, w_gate_up, w_down, fp8):
@@ -477,6 +497,7 @@ def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_s
 
 def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
   a, a_sf, h, group_sizes, w_bwd = res
+  h = _gate_up(h)
   bf16 = jnp.bfloat16
   hidden = a.shape[-1]
   wgrad_dtype = None if st.w_dtype is None else (
@@ -557,8 +578,10 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
   `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
   it is evaluated. `backward="fp8"`: the data gradient runs on the FP8 grouped GEMM as DeepSeek-V3 trains: the
   output cotangent rows and the SwiGLU backward's rows quantized 1x128, times the forward's FP8 weights
-  transposed (codes and 128x128 block scales, exact); the weight gradients stay as with "bf16". Float x and float
-  weights get cotangents in their own dtypes; FP8 inputs, scales and group_sizes get none.
+  transposed (codes and 128x128 block scales, exact), and the gate/up rows are kept for it as 1x128 FP8 codes and
+  scales (the SwiGLU derivative starts from their decoded values); the weight gradients are the bf16 GEMMs' as with
+  "bf16". Float x and float weights get cotangents in their own dtypes; FP8 inputs, scales and group_sizes get
+  none.
 
   Args:
     x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
@@ -599,11 +622,12 @@ def _expert_pass(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_
   rows quantized 1x128 before they are expanded, or ``codes`` used as they are), the weighted sum (`_reduce_rows`).
 
   Saved for the backward pass: the rows once (bfloat16, or their FP8 codes and scales: not their top_k expanded
-  copies, which the backward expands again) and the gate/up rows; not the expert outputs. The routing weights'
+  copies, which the backward expands again) and the gate/up rows (bfloat16, or FP8 codes and scales for the FP8
+  backward); not the expert outputs. The routing weights'
   gradient ``<ct[row], y_k>`` is taken as ``<act_k, ct[row] @ w_down>`` from the data gradient's own product, so
   the backward runs the same four grouped GEMMs as `_mlp_backward_bf16`, on the unweighted cotangent rows with the
-  weight applied to act (for dw_down) and to d_act (for the rest). Gradients of the FP8 experts are
-  straight-through, as in `swiglu_mlp_fp8`."""
+  weight applied to act (for dw_down) and to d_act (for the rest). Gradients of the FP8 experts are those of
+  `swiglu_mlp_fp8` with its `backward`."""
   return _expert_pass_fwd(st, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
 
 
@@ -634,6 +658,7 @@ def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up
 
 def _expert_pass_bwd(st: _PassStatic, res, ct):
   saved_rows, h, topk_weights, perm, w_bwd, out_first = res
+  h = _gate_up(h)
   bf16, f32 = jnp.bfloat16, jnp.float32
   mlp_impl = st.impl if st.fp8 is None else st.fp8.impl
   fp8_backward = st.fp8 is not None and st.fp8.backward == "fp8"
