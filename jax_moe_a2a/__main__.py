@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import sys
+from typing import Optional
 
 
 def _size(num_bytes: int) -> str:
@@ -70,15 +72,12 @@ def _report(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_dir() -> str:
+  return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
 def _bench(args: argparse.Namespace) -> int:
-  bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-  script = os.path.join(bench_dir, f"bench_{args.name}.py")
-  if not os.path.exists(script):
-    available = sorted(f[6:-3] for f in os.listdir(bench_dir) if f.startswith("bench_")) if os.path.isdir(
-        bench_dir) else []
-    print(f"bench: no benchmark {args.name!r} in {bench_dir} (available: {available or 'none; run from a checkout'})",
-          file=sys.stderr)
-    return 2
+  script = os.path.join(_bench_dir(), f"bench_{args.name}.py")
   sys.argv = [script] + args.rest
   runpy.run_path(script, run_name="__main__")
   return 0
@@ -86,12 +85,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
   from jax_moe_a2a import plan  # pylint: disable=import-outside-toplevel  (imports no jax)
-  ranks = [n * args.gpus_per_node for n in args.nodes]
-  bad = [r for r in ranks if args.experts % r]
-  if bad:
-    print(f"plan: --experts ({args.experts}) must be divisible by every nodes * gpus-per-node, got {bad}",
-          file=sys.stderr)
-    return 2
   return plan.run(args)
 
 
@@ -99,6 +92,128 @@ def _demo(args: argparse.Namespace) -> int:
   from jax_moe_a2a import demo  # pylint: disable=import-outside-toplevel
   demo.simulate_cpu_devices()  # before anything imports jax
   return demo.run(args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks of the options against each other and against what the layer and the model accept, run after parsing and
+# before any heavy work: a value they would refuse is a usage error naming its option (exit status 2), not a
+# traceback from deep inside.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _OptionError(Exception):
+  """A refused option value: `option` (None where no option is to blame) and why."""
+
+  def __init__(self, option: Optional[str], message: str):
+    super().__init__(message)
+    self.option = option
+
+
+# The names the library's errors give the options' values ("op: name must be X, got Y"), per subcommand.
+_PLAN_NAMES = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "hidden": "--hidden", "top_k": "--top-k",
+               "num_experts": "--experts", "tokens": "--tokens", "wire_format": "--wire", "nic_gbps": "--nic-gbps",
+               "nic_efficiency": "--nic-efficiency", "nic_latency_us": "--nic-latency-us"}
+_DEMO_NAMES = {"num_experts": "--experts", "top_k": "--top-k", "hidden": "--hidden", "ffn": "--ffn",
+               "wire_format": "--wire", "n_group": "--n-group", "topk_group": "--topk-group",
+               "router_kind": "--router", "num_shared_experts": "--shared-experts", "fp8_weights": "--fp8-weights",
+               "dtype": "--dtype", "gemm_impl": "--gemm", "tp_axis": "--tp", "sequence_parallel": "--sequence-parallel"}
+
+
+def _refused(error: ValueError, names: dict[str, str]) -> _OptionError:
+  """The library's `error` as a usage error of the option whose value it names first (after an ``op: ``)."""
+  message = str(error)
+  for m in re.finditer(r"(?<=: )\w+", message):
+    if m.group(0) in names:
+      return _OptionError(names[m.group(0)], message)
+  return _OptionError(None, message)
+
+
+def _check_hidden_fits(hidden: int, wire: str) -> None:
+  from jax_moe_a2a import layout  # pylint: disable=import-outside-toplevel  (imports nothing)
+  try:
+    layout.dispatch_layout(hidden, wire)
+  except ValueError as e:
+    block = layout.format_spec(wire).block
+    raise _OptionError("--hidden", f"must be a multiple of {block} for --wire {wire}, got {hidden}"
+                       if block else f"must fit --wire {wire}, got {hidden} ({e})") from None
+
+
+def _check_plan(args: argparse.Namespace) -> None:
+  from jax_moe_a2a import plan  # pylint: disable=import-outside-toplevel  (imports no jax)
+  bad = [n * args.gpus_per_node for n in args.nodes if args.experts % (n * args.gpus_per_node)]
+  if bad:
+    raise _OptionError("--experts", f"must be divisible by --gpus-per-node times every --nodes value "
+                                    f"({', '.join(map(str, bad))} here), got {args.experts}")
+  if args.top_k > args.experts:
+    raise _OptionError("--top-k", f"must be <= --experts ({args.experts}), got {args.top_k}")
+  _check_hidden_fits(args.hidden, args.wire)
+  for n in args.nodes:  # the model's own checks: arithmetic only
+    try:
+      plan.plans(nodes=n, gpus_per_node=args.gpus_per_node, hidden=args.hidden, top_k=args.top_k,
+                 num_experts=args.experts, tokens=args.tokens, wire_format=args.wire, nic_gbps=args.nic_gbps,
+                 nic_efficiency=args.nic_efficiency, nic_latency_us=args.nic_latency_us)
+    except ValueError as e:
+      raise _refused(e, _PLAN_NAMES) from None
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+  from jax_moe_a2a import demo  # pylint: disable=import-outside-toplevel  (imports no jax)
+  demo.simulate_cpu_devices()  # before anything imports jax
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a import moe, quant  # pylint: disable=import-outside-toplevel
+
+  # The rules of moe.MoEConfig and routing.RouterConfig in the options' words, then those of the device count.
+  if args.top_k > args.experts:
+    raise _OptionError("--top-k", f"must be <= --experts ({args.experts}), got {args.top_k}")
+  _check_hidden_fits(args.hidden, args.wire)
+  if args.gemm != "dtype":
+    for option, v in (("--hidden", args.hidden), ("--ffn", args.ffn)):
+      if v % quant.FP8_BLOCK:
+        raise _OptionError(option, f"must be a multiple of {quant.FP8_BLOCK} with --gemm {args.gemm} (FP8 experts), "
+                                   f"got {v}")
+  if args.router == "deepseek_v3":
+    if args.experts % args.n_group:
+      raise _OptionError("--n-group", f"must divide --experts ({args.experts}), got {args.n_group}")
+    if args.topk_group > args.n_group:
+      raise _OptionError("--topk-group", f"must be <= --n-group ({args.n_group}), got {args.topk_group}")
+    reachable = args.topk_group * (args.experts // args.n_group)
+    if args.top_k > reachable:
+      raise _OptionError("--top-k", f"must be <= the experts of --topk-group groups, {args.topk_group} * "
+                                    f"{args.experts // args.n_group} = {reachable}, got {args.top_k}")
+  if args.sequence_parallel and args.tp == 1:
+    raise _OptionError("--sequence-parallel", "needs --tp > 1 (the axis tokens are replicated over)")
+  n = jax.device_count()
+  for option, v in (("--tp", args.tp), ("--data", args.data)):
+    if n % v:
+      raise _OptionError(option, f"must divide the device count ({n}), got {v}")
+  if args.tp > 1 and args.data not in (1, n // args.tp):
+    raise _OptionError("--data", f"must be 1 or {n // args.tp} with --tp {args.tp} (the mesh is (data, tp) = "
+                                 f"({n // args.tp}, {args.tp})), got {args.data}")
+  ranks = n if args.tp > 1 else n // args.data
+  if args.experts % ranks:
+    raise _OptionError("--experts", f"must be divisible by the {ranks} ranks of the expert axis, got {args.experts}")
+  if args.sequence_parallel and args.tokens % args.tp:
+    raise _OptionError("--tokens", f"must be divisible by --tp ({args.tp}) with --sequence-parallel, got "
+                                   f"{args.tokens}")
+  router = dict(router_kind=args.router)
+  if args.router == "deepseek_v3":
+    router.update(n_group=args.n_group, topk_group=args.topk_group)
+  try:
+    moe.MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
+                  wire_format=args.wire, num_shared_experts=args.shared_experts, fp8_weights=args.fp8_weights,
+                  dtype=jnp.dtype(args.dtype), gemm_impl=None if args.gemm == "dtype" else args.gemm, **router)
+  except ValueError as e:
+    raise _refused(e, _DEMO_NAMES) from None
+
+
+def _check_bench(args: argparse.Namespace) -> None:
+  bench_dir = _bench_dir()
+  if not os.path.exists(os.path.join(bench_dir, f"bench_{args.name}.py")):
+    available = sorted(f[6:-3] for f in os.listdir(bench_dir) if f.startswith("bench_") and f.endswith(".py")) \
+        if os.path.isdir(bench_dir) else []
+    where = ", ".join(available) if available else "none: run from a checkout"
+    raise _OptionError("name", f"must name a benchmark of {bench_dir} ({where}), got {args.name!r}")
 
 
 def main(argv=None) -> int:
@@ -110,7 +225,7 @@ def main(argv=None) -> int:
   dem = sub.add_parser("demo", parents=[demo.parser()], add_help=False, description=demo.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="a small MoE layer on every device, checked against the dense oracle")
-  dem.set_defaults(fn=_demo)
+  dem.set_defaults(fn=_demo, check=_check_demo, parser=dem)
   rep = sub.add_parser("report", help="payload/workspace bytes per format and a quantization check")
   rep.add_argument("--hidden", type=demo.positive_int, default=7168,
                    help="activation width (default: DeepSeek-V3's 7168)")
@@ -120,14 +235,17 @@ def main(argv=None) -> int:
   rep.add_argument("--tokens", type=demo.positive_int, default=256, help="rows for the quantization check")
   rep.add_argument("--mx-alignment", type=demo.int_in(32, multiple_of=32), default=None,
                    help="mxfp8 scale padding (multiple of 32)")
-  rep.set_defaults(fn=_report)
+  rep.set_defaults(fn=_report, parser=rep)
   pla = sub.add_parser("plan", help="bytes per link and predicted times over nodes: flat vs two-level")
-  pla.add_argument("--nodes", type=demo.positive_int, nargs="+", default=[2, 4, 8, 16], help="node counts")
-  pla.add_argument("--gpus-per-node", type=demo.positive_int, default=8)
-  pla.add_argument("--hidden", type=demo.positive_int, default=7168)
-  pla.add_argument("--top-k", type=demo.positive_int, default=8)
-  pla.add_argument("--experts", type=demo.positive_int, default=256)
-  pla.add_argument("--tokens", type=demo.positive_int, default=4096, help="tokens per GPU")
+  # The model's arithmetic is on floats and Python ints: the bounds keep it finite and quick (expert ids are int32,
+  # byte counts int64).
+  count, experts = demo.int_in(1, 2**63 - 1), demo.int_in(1, 2**31 - 1)
+  pla.add_argument("--nodes", type=count, nargs="+", default=[2, 4, 8, 16], help="node counts")
+  pla.add_argument("--gpus-per-node", type=count, default=8)
+  pla.add_argument("--hidden", type=count, default=7168)
+  pla.add_argument("--top-k", type=experts, default=8)
+  pla.add_argument("--experts", type=experts, default=256)
+  pla.add_argument("--tokens", type=count, default=4096, help="tokens per GPU")
   pla.add_argument("--wire", choices=["bf16", "fp8_blockwise"], default="fp8_blockwise")
   pla.add_argument("--nic-gbps", type=demo.float_in(0.001), default=400.0,
                    help="NIC line rate per GPU, Gb/s (assumed)")
@@ -135,12 +253,16 @@ def main(argv=None) -> int:
                    help="share of the line rate an exchange gets (assumed)")
   pla.add_argument("--nic-latency-us", type=demo.float_in(0.0), default=20.0,
                    help="fixed cost of one inter-node exchange, us (assumed)")
-  pla.set_defaults(fn=_plan)
+  pla.set_defaults(fn=_plan, check=_check_plan, parser=pla)
   ben = sub.add_parser("bench", help="run bench/bench_<name>.py with the remaining arguments")
   ben.add_argument("name", help="benchmark name, e.g. quant")
   ben.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-  ben.set_defaults(fn=_bench)
+  ben.set_defaults(fn=_bench, check=_check_bench, parser=ben)
   args = parser.parse_args(argv)
+  try:
+    getattr(args, "check", lambda _: None)(args)
+  except _OptionError as e:
+    args.parser.error(str(e) if e.option is None else f"argument {e.option}: {e}")
   return args.fn(args)
 
 

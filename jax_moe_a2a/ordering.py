@@ -7,37 +7,49 @@ forward output whose buffers it should not overlap; XLA orders ops by their data
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
 
 
-def _uint(dtype) -> Any:
-  """The unsigned int type of dtype's width, or None (bool, 4-bit types)."""
-  if dtype == jnp.bool_:
+# Widths of the unsigned ints XLA computes with (it has 1-bit ints as a storage type only).
+_UINT_WIDTHS = (2, 4, 8, 16, 32, 64)
+
+
+def _bits_type(dtype) -> Optional[np.dtype]:
+  """The unsigned int type of dtype's width, or None: bool, complex, and widths without one XLA computes with
+  (the 6-bit floats, the 1-bit ints)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    bits = jnp.finfo(dtype).bits
+  elif jnp.issubdtype(dtype, jnp.integer):
+    bits = jnp.iinfo(dtype).bits
+  else:
     return None
-  bits = jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).bits
-  return jnp.dtype(f"uint{bits}") if bits in (8, 16, 32, 64) else None
+  return jnp.dtype(f"uint{bits}") if bits in _UINT_WIDTHS else None
+
+
+def _readable(dtype) -> bool:
+  """Whether XLA can read the bits of dtype's values: a dep must be of such a dtype, to order anything."""
+  return dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating) or _bits_type(dtype) is not None
 
 
 def _first_bits(a: jax.Array) -> jax.Array:
-  """The bits of ``a``'s first element as a scalar unsigned int."""
+  """The bits of ``a``'s first element (the real part's, for complex) as a scalar unsigned int."""
   v = a.reshape(-1)[0]
   if v.dtype == jnp.bool_:
     return v.astype(jnp.uint8)
-  if _uint(v.dtype) is None:  # 4-bit types
-    v = v.astype(jnp.float32)
-  return jax.lax.bitcast_convert_type(v, _uint(v.dtype))
+  if jnp.issubdtype(v.dtype, jnp.complexfloating):
+    v = jax.lax.real(v)
+  return jax.lax.bitcast_convert_type(v, _bits_type(v.dtype))
 
 
-def _other_than(v: jax.Array) -> jax.Array:
-  """A scalar of v's dtype whose bits differ from v's (all flipped; 4-bit types: v + 1, which may not differ)."""
-  if v.dtype == jnp.bool_:
-    return jnp.logical_not(v)
-  if _uint(v.dtype) is None:
-    return v + jnp.ones((), v.dtype)
-  return jax.lax.bitcast_convert_type(jnp.bitwise_not(jax.lax.bitcast_convert_type(v, _uint(v.dtype))), v.dtype)
+def _kept_or_flipped(keep: jax.Array, bits: jax.Array) -> jax.Array:
+  """``bits`` where keep holds, else all of them flipped: the two branches differ whatever bits is."""
+  return jnp.where(keep, bits, jnp.bitwise_not(bits))
 
 
 @jax.custom_jvp
@@ -46,9 +58,29 @@ def _after(x: jax.Array, deps: tuple[jax.Array, ...]) -> jax.Array:
   # keeps x's first element, and x as a whole comes to depend on every dep. One element is rewritten, in place.
   # The other branch differs from x's element even where x is a constant: select(p, c, c) would fold to c, and the
   # dependency with it (a zero cotangent is such a constant).
+  # The select runs on x's bits, as unsigned ints: XLA computes a select of a type it lacks natively (float8) in a
+  # wider float, which keeps the value but not a NaN's sign or payload.
   keep = functools.reduce(jnp.logical_and, [(_first_bits(d) | 1) != 0 for d in deps])
   idx = (0,) * x.ndim
-  return x.at[idx].set(jnp.where(keep, x[idx], _other_than(x[idx])))
+  bits_type = _bits_type(x.dtype)
+  if bits_type is not None:
+    bits = jax.lax.bitcast_convert_type(x, bits_type)
+    bits = bits.at[idx].set(_kept_or_flipped(keep, bits[idx]))
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+  v = x[idx]
+  if v.dtype == jnp.bool_:
+    v = jnp.where(keep, v, jnp.logical_not(v))
+  elif jnp.issubdtype(v.dtype, jnp.complexfloating):
+    imag = jax.lax.imag(v)
+    imag = jax.lax.bitcast_convert_type(
+        _kept_or_flipped(keep, jax.lax.bitcast_convert_type(imag, _bits_type(imag.dtype))), imag.dtype)
+    v = jax.lax.complex(jax.lax.real(v), imag)
+  else:
+    # Widths without an unsigned int (the 6-bit floats): a select on the value, whose other branch is made from a
+    # dep's bits, so it is no constant; these types have no NaN, and every value's bits are kept.
+    other = _first_bits(deps[0]).astype(jnp.float32).astype(x.dtype)
+    v = jnp.where(keep, v, other)
+  return x.at[idx].set(v)
 
 
 @_after.defjvp
@@ -56,22 +88,49 @@ def _after_jvp(primals, tangents):
   return _after(*primals), tangents[0]
 
 
+def _is_array(v: Any) -> bool:
+  return isinstance(v, (jax.Array, np.ndarray, np.generic))
+
+
 def after(x: jax.Array, *deps: Any) -> jax.Array:
   """``x``, unchanged, computed only once every array of ``deps`` (pytrees of arrays) is: a data dependency.
 
   Orders a collective and a one-sided call (see `Workspace`): ``jax.lax.psum(after(g, y), axis)`` starts after
   the call that made y, ``dispatch(after(x, s), ...)`` after the psum that made s. Costs a select of one element,
-  which no compiler pass removes (unlike `jax.lax.optimization_barrier`, which XLA:CPU drops before it schedules).
-  Differentiable in x (its gradient is the identity), not in deps. Empty arrays order nothing.
+  on its bits, which no compiler pass removes, also where x is a constant (unlike
+  `jax.lax.optimization_barrier`, which XLA:CPU drops before it schedules). Differentiable in x (its gradient is
+  the identity), not in deps. Empty arrays order nothing.
 
   Args:
-    x: any array.
-    *deps: arrays or pytrees of arrays, any dtype.
+    x: a jax or NumPy array, of any dtype XLA computes with: every dtype but the 1-bit ints (int1, uint1).
+    *deps: arrays or pytrees of arrays, of any dtype whose bits XLA can read: every dtype but the 1-bit ints and
+      the 6-bit floats. Python scalars are refused, not taken as constants: a constant orders nothing.
 
   Returns:
-    x, bit for bit, in the same dtype and shape.
+    x, bit for bit, in the same dtype and shape: NaNs keep their sign and payload, in every float type (float8
+    and float4 ones included), in complex ones and with x64.
+
+  Raises:
+    TypeError: x is not an array or is of a 1-bit int type; a leaf of deps is not an array, or is of a 1-bit int
+      or 6-bit float type.
   """
-  leaves = tuple(jnp.asarray(d) for d in jax.tree.leaves(deps) if d.size and d.dtype != jax.dtypes.float0)
+  if not _is_array(x):
+    raise TypeError(f"after: x must be an array, got {type(x).__name__}")
+  if x.dtype != jax.dtypes.float0 and not (_readable(x.dtype) or jnp.issubdtype(x.dtype, jnp.floating)):
+    raise TypeError(f"after: x must have a dtype XLA computes with (any but the 1-bit ints), got {x.dtype}")
+  leaves = []
+  for path, d in jax.tree_util.tree_flatten_with_path(deps)[0]:
+    where = f"deps{jax.tree_util.keystr(path)}"
+    if not _is_array(d):
+      raise TypeError(f"after: {where} must be an array, got {type(d).__name__}")
+    if d.dtype == jax.dtypes.float0:
+      continue
+    if not _readable(d.dtype):
+      raise TypeError(f"after: {where} must have a dtype whose bits XLA can read (any but the 6-bit floats and "
+                      f"the 1-bit ints), got {d.dtype}")
+    if not d.size:
+      continue
+    leaves.append(jnp.asarray(d))
   if not leaves or not x.size or x.dtype == jax.dtypes.float0:
     return x
-  return _after(jnp.asarray(x), leaves)
+  return _after(jnp.asarray(x), tuple(leaves))

@@ -71,6 +71,9 @@ class Plan:
     return sum(leg.bytes_per_gpu for leg in getattr(self, op) if leg.link == link)
 
 
+_EXACT_TOP_K = 1024
+
+
 def destinations(num_experts: int, top_k: int, groups: int) -> float:
   """Expected number of the `groups` equal, contiguous groups of experts that hold at least one of a token's top_k
   distinct experts drawn uniformly from num_experts."""
@@ -79,7 +82,15 @@ def destinations(num_experts: int, top_k: int, groups: int) -> float:
   if not 0 < top_k <= num_experts:
     raise ValueError(f"destinations: top_k must be in [1, num_experts={num_experts}], got {top_k}")
   outside = num_experts - num_experts // groups
-  miss = math.comb(outside, top_k) / math.comb(num_experts, top_k)  # no expert in a given group
+  # The chance that a given group holds none of the token's experts, C(outside, k) / C(E, k): exactly up to
+  # _EXACT_TOP_K, from log-gamma beyond (the exact binomials grow to k log2(E) bits and take minutes).
+  if top_k > outside:
+    miss = 0.0
+  elif top_k <= _EXACT_TOP_K:
+    miss = math.comb(outside, top_k) / math.comb(num_experts, top_k)
+  else:
+    miss = math.exp(math.lgamma(outside + 1) - math.lgamma(outside - top_k + 1) - math.lgamma(num_experts + 1)
+                    + math.lgamma(num_experts - top_k + 1))
   return groups * (1.0 - miss)
 
 
@@ -125,7 +136,18 @@ def plans(*, nodes: int, gpus_per_node: int, hidden: int = 7168, top_k: int = 8,
     if not (isinstance(v, (int, float)) and math.isfinite(v) and v > lo) or (name == "nic_efficiency" and v > 1):
       raise ValueError(f"{op}: {name} must be {'in (0, 1]' if name == 'nic_efficiency' else '> ' + str(lo)}, "
                        f"got {v!r}")
-  row = layout.dispatch_layout(hidden, wire_format, top_k=top_k, mx_alignment=mx_alignment).bytes_per_token
+  if top_k > num_experts:
+    raise ValueError(f"{op}: top_k must be <= num_experts ({num_experts}), got {top_k}")
+  if wire_format not in layout.FORMATS:
+    raise ValueError(f"{op}: wire_format must be one of {', '.join(layout.FORMATS)}, got {wire_format!r}")
+  if mx_alignment is not None and (wire_format != layout.MXFP8 or isinstance(mx_alignment, bool)
+                                   or not isinstance(mx_alignment, int) or mx_alignment <= 0 or mx_alignment % 32):
+    raise ValueError(f"{op}: mx_alignment must be None, or a positive multiple of 32 with wire_format "
+                     f"{layout.MXFP8!r}, got {mx_alignment!r} with {wire_format!r}")
+  try:
+    row = layout.dispatch_layout(hidden, wire_format, top_k=top_k, mx_alignment=mx_alignment).bytes_per_token
+  except ValueError as e:
+    raise ValueError(f"{op}: hidden must fit wire_format {wire_format!r}, got {hidden} ({e})") from None
   out_row, partial_row = 2 * hidden, 4 * hidden  # bf16 expert rows; float32 partial sums per node
   t, n, g = float(tokens), nodes, gpus_per_node
   leg = lambda link, b, which: _leg(link, b, op=which, nic_gbps=nic_gbps, nic_efficiency=nic_efficiency,

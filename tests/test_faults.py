@@ -294,36 +294,6 @@ def test_the_dispatch_vjp_s_exchanges_are_ordered_with_its_one_sided_combine():
   assert unordered == []
 
 
-def test_after_keeps_every_bit_and_a_dependency_the_compiler_keeps():
-  x = np.array([[np.nan, -0.0], [1.5, -np.inf]], np.float32)
-  x.view(np.uint32)[0, 0] = 0x7FC0BEEF  # a NaN payload
-  dep = jnp.array([-0.0, 2.0], jnp.bfloat16)  # its bits, not its value, make the dependency: -0.0 works too
-  for a in (x, x.astype(jnp.bfloat16), x.astype(jnp.float8_e4m3fn), np.array([3, -1], np.int32), np.array(True)):
-    got = jax.jit(a2a.after)(a, dep)
-    assert got.dtype == a.dtype and got.shape == a.shape
-    np.testing.assert_array_equal(_bits(got) if a.dtype != np.bool_ else got, _bits(a) if a.dtype != np.bool_ else a)
-  g = jax.grad(lambda x, d: jnp.sum(a2a.after(x, d) * jnp.arange(4.0).reshape(2, 2)), argnums=(0, 1))(np.ones_like(x), dep)
-  np.testing.assert_array_equal(g[0], np.arange(4.0).reshape(2, 2))
-  np.testing.assert_array_equal(g[1], np.zeros(2))
-  # In the compiled program the result still reads the dependency (parameter 1).
-  hlo = jax.jit(lambda x, d: a2a.after(x, d) * 2).lower(x, dep).compile().as_text()
-  entry = hlo[hlo.index("ENTRY"):]
-  param = re.search(r"%([\w.\-]+) = bf16\[2\]\{0\} parameter\(1\)", entry).group(1)
-  assert re.search(rf"[(,] ?%{re.escape(param)}\b", entry), entry
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8, jnp.bool_, jnp.int4])
-def test_after_keeps_its_dependency_when_x_is_a_constant(dtype):
-  # A zero cotangent reaches `after` as a constant: the compiled program must still read the dependency.
-  dep = jnp.array([-0.0, 2.0], jnp.bfloat16)
-  f = jax.jit(lambda d: a2a.after(jnp.zeros((3,), dtype), d))
-  entry = f.lower(dep).compile().as_text()
-  entry = entry[entry.index("ENTRY"):]
-  param = re.search(r"%([\w.\-]+) = bf16\[2\]\{0\} parameter\(0\)", entry).group(1)
-  assert re.search(rf"[(,] ?%{re.escape(param)}\b", entry), entry
-  np.testing.assert_array_equal(np.asarray(f(dep)), np.zeros((3,), dtype))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Many training steps, each case in a subprocess under a time limit
 # ----------------------------------------------------------------------------------------------------------------

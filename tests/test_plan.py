@@ -1,9 +1,12 @@
 """Tests of the multi-node cost model (jax_moe_a2a.plan): its expectation against sampled routing, its NVLink legs
 against the measured runs they were fitted on, the relations between its plans, and the command line."""
 
+import math
 import os
 import subprocess
 import sys
+import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -20,6 +23,22 @@ def test_destinations_match_sampled_routing(experts, top_k, groups):
   group = ids // (experts // groups)
   sampled = np.mean([len(set(row)) for row in group])
   assert abs(plan.destinations(experts, top_k, groups) - sampled) <= 0.01 * sampled + 0.01
+
+
+@pytest.mark.parametrize("experts,top_k,groups", [(8192, 1500, 64), (4096, 3000, 2), (100000, 5000, 1000)])
+def test_destinations_of_many_experts_per_token_match_the_exact_binomials(experts, top_k, groups):
+  outside = experts - experts // groups
+  exact = groups * (1 - float(Fraction(math.comb(outside, top_k), math.comb(experts, top_k))))
+  assert top_k > plan._EXACT_TOP_K  # pylint: disable=protected-access  (the log-gamma path)
+  assert plan.destinations(experts, top_k, groups) == pytest.approx(exact, rel=1e-9)
+
+
+def test_destinations_of_the_largest_counts_are_quick():
+  start = time.perf_counter()
+  assert plan.destinations(2**30, 2**29, 8) == pytest.approx(8.0)
+  assert plan.destinations(2**31 - 1, 2**31 - 1, 1) == 1.0
+  assert plan.destinations(2**30, 2**20, 2**20) == pytest.approx(2**20 * (1 - math.exp(-1)), rel=1e-3)
+  assert time.perf_counter() - start < 1.0
 
 
 def test_destinations_refuse_bad_arguments():
@@ -67,6 +86,13 @@ def test_plans_relations(nodes):
     (dict(num_experts=100), r"plans: num_experts must be divisible by nodes \* gpus_per_node \(16\), got 100"),
     (dict(nic_efficiency=1.5), r"plans: nic_efficiency must be in \(0, 1\], got 1.5"),
     (dict(nic_gbps=float("nan")), r"plans: nic_gbps must be > 0.0, got nan"),
+    (dict(top_k=300), r"plans: top_k must be <= num_experts \(256\), got 300"),
+    (dict(hidden=100), r"plans: hidden must fit wire_format 'fp8_blockwise', got 100 \(dispatch_layout: fp8_blockwise "
+                       r"needs hidden % 128 == 0, got hidden=100\)"),
+    (dict(wire_format="fp4"), r"plans: wire_format must be one of bf16, fp8_blockwise, mxfp8, nvfp4, got 'fp4'"),
+    (dict(mx_alignment=64), r"plans: mx_alignment must be None, or a positive multiple of 32 with wire_format "
+                            r"'mxfp8', got 64 with 'fp8_blockwise'"),
+    (dict(wire_format="mxfp8", mx_alignment=48), r"plans: mx_alignment must be None, or a positive multiple of 32"),
 ])
 def test_plans_refuse_bad_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -75,7 +101,7 @@ def test_plans_refuse_bad_arguments(kw, match):
 
 def _cli(*args):
   return subprocess.run([sys.executable, "-m", "jax_moe_a2a", "plan", *args], capture_output=True, text=True,
-                        check=False, cwd=ROOT)
+                        check=False, cwd=ROOT, timeout=60)
 
 
 def test_command_prints_the_table_and_the_calibration():
@@ -86,10 +112,33 @@ def test_command_prints_the_table_and_the_calibration():
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--experts", "100"), "--experts (100) must be divisible by every nodes * gpus-per-node, got [16, 32, 64, 128]"),
-    (("--nic-efficiency", "2"), "must be a finite float in [0.01, 1.0], got '2'"),
-    (("--nodes", "0"), "--nodes"),
+    (("--experts", "100"), "argument --experts: must be divisible by --gpus-per-node times every --nodes value "
+                           "(16, 32, 64, 128 here), got 100"),
+    (("--nodes", "2", "3", "--experts", "32"), "argument --experts: must be divisible by --gpus-per-node times every "
+                                               "--nodes value (24 here), got 32"),
+    (("--nic-efficiency", "2"), "argument --nic-efficiency: must be a finite float in [0.01, 1.0], got '2'"),
+    (("--nodes", "0"), "argument --nodes: must be an int in [1, 9223372036854775807], got '0'"),
+    (("--top-k", "300"), "argument --top-k: must be <= --experts (256), got 300"),
+    (("--hidden", "100"), "argument --hidden: must be a multiple of 128 for --wire fp8_blockwise, got 100"),
+    (("--nodes", "1", "--hidden", "100", "--wire", "bf16", "--experts", "8", "--top-k", "9"),
+     "argument --top-k: must be <= --experts (8), got 9"),
+    (("--hidden", str(10**400)), "argument --hidden: must be an int in [1, 9223372036854775807]"),
+    (("--experts", str(2**31)), "argument --experts: must be an int in [1, 2147483647], got '2147483648'"),
+    (("--top-k", "-1"), "argument --top-k: must be an int in [1, 2147483647], got '-1'"),
+    (("--tokens", "0"), "argument --tokens: must be an int in [1, 9223372036854775807], got '0'"),
+    (("--gpus-per-node", "x"), "argument --gpus-per-node: must be an int in [1, 9223372036854775807], got 'x'"),
+    (("--nic-gbps", "inf"), "argument --nic-gbps: must be a finite float >= 0.001, got 'inf'"),
+    (("--nic-latency-us", "-1"), "argument --nic-latency-us: must be a finite float >= 0.0, got '-1'"),
+    (("--wire", "mxfp8"), "argument --wire: invalid choice: 'mxfp8'"),
 ])
 def test_command_refuses_bad_options(args, message):
   r = _cli(*args)
-  assert r.returncode == 2 and message in r.stderr, r.stderr
+  assert r.returncode == 2 and "python -m jax_moe_a2a plan: error: " + message in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_command_takes_the_largest_sizes_quickly():
+  r = _cli("--nodes", "1", "--gpus-per-node", "1", "--experts", str(2**31 - 1), "--top-k", str(2**31 - 2),
+           "--hidden", str(2**63 - 128), "--tokens", str(2**63 - 1))
+  assert r.returncode == 0, r.stderr
+  assert "| 1 × 1 | flat all_to_all |" in r.stdout
