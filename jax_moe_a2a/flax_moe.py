@@ -19,7 +19,9 @@ extension has handlers). The exchange follows the layer's ``workspace`` argument
 
 With ``"auto"``/``"on"`` the layer makes one workspace per (config, mesh, global token count) it is called with,
 sized for training (`moe.make_workspace(..., training=True)`), when the call is traced, and keeps it for later
-calls; `close_workspaces` frees them (also done at interpreter exit).
+calls; `close_workspaces` frees them (also done at interpreter exit), and functions jitted before make new ones
+when called again. Traced under the abstract mesh of ``jax.set_mesh`` (inside `jax.jit`), the layer makes its
+workspace on the devices of that mesh (`moe.mesh_with_devices`).
 """
 
 from __future__ import annotations
@@ -43,14 +45,29 @@ WorkspaceArg = Union[str, Workspace]
 _workspaces: dict[tuple, Workspace] = {}
 
 
-def close_workspaces() -> None:
-  """Closes the workspaces the layers made (module docstring); later calls make new ones."""
+def _close_all() -> bool:
+  """Closes the layers' workspaces; whether one was open."""
+  was_open = any(not ws.closed for ws in _workspaces.values())
   for ws in _workspaces.values():
     ws.close()
   _workspaces.clear()
+  return was_open
 
 
-atexit.register(close_workspaces)
+def close_workspaces() -> None:
+  """Closes the workspaces the layers made (module docstring); later calls make new ones, functions jitted before
+  included.
+
+  A compiled function holds its workspace's id, which the custom calls look up when they run; so that one jitted
+  before does not run on a closed workspace, this also clears JAX's caches of traced and compiled functions
+  (`jax.clear_caches`): each function is traced again on its next call, its layers making a new workspace then.
+  Every jitted function, of this library or not, is compiled again on its next call.
+  """
+  if _close_all():
+    jax.clear_caches()
+
+
+atexit.register(_close_all)  # at exit nothing is called again: no cache to clear
 
 
 def _check_workspace_arg(op: str, workspace: Any) -> None:
@@ -59,16 +76,29 @@ def _check_workspace_arg(op: str, workspace: Any) -> None:
                      f"an a2a.Workspace, got {workspace!r}")
 
 
-def _layer_workspace(workspace: WorkspaceArg, config: moe.MoEConfig, mesh: Mesh,
+def _on_gpus(mesh: moe.AnyMesh) -> bool:
+  """Whether the mesh's devices are GPUs."""
+  if isinstance(mesh, Mesh):
+    return all(d.platform == "gpu" for d in mesh.devices.flat)
+  device = getattr(mesh, "abstract_device", None)  # an AbstractMesh made from a Mesh knows its devices' kind
+  return (device.platform if device is not None else jax.default_backend()) == "gpu"
+
+
+def _layer_workspace(op: str, workspace: WorkspaceArg, config: moe.MoEConfig, mesh: moe.AnyMesh,
                      x: jax.Array) -> Optional[Workspace]:
   """The workspace one call of a layer takes (module docstring), made and kept on first use."""
   if isinstance(workspace, Workspace):
     return workspace
   if workspace in (None, "off") or _ffi.resolve_impl("MoE", config.impl) != "ffi":
     return None
-  if workspace == "auto" and config.impl != "ffi" and not (
-      _ffi.with_cuda() and all(d.platform == "gpu" for d in mesh.devices.flat)):
+  if workspace == "auto" and config.impl != "ffi" and not (_ffi.with_cuda() and _on_gpus(mesh)):
     return None
+  abstract = mesh
+  mesh = moe.mesh_with_devices(abstract)
+  if mesh is None:
+    raise ValueError(f"{op}: mesh must have devices to make the layer's workspace (workspace={workspace!r}), got the "
+                     f"AbstractMesh {dict(abstract.shape)} with no jax.set_mesh of it; give the layer mesh=, a "
+                     f"Workspace made outside jit (moe.make_workspace) or workspace='off'")
   num_tokens = math.prod(x.shape[:-1])
   key = (config, mesh, num_tokens)
   if key not in _workspaces or _workspaces[key].closed:
@@ -104,7 +134,8 @@ class MoE(nnx.Module):
       config: the layer (a `moe.MoEConfig`).
       rngs: an `nnx.Rngs` with a ``params`` stream.
       mesh: the mesh the layer runs on; must hold every axis the config names. None: the mesh set with
-        ``jax.set_mesh`` when the layer is created.
+        ``jax.set_mesh`` when the layer is created, also inside `nnx.jit`; there it is that mesh's `AbstractMesh`
+        (`moe.resolve_mesh`), and the layer runs inside jit, or outside under ``jax.set_mesh`` of that mesh.
       workspace: ``"auto"``, ``"on"``, ``"off"``/None or a `Workspace`: how the exchange runs (module
         docstring).
     """
@@ -135,8 +166,9 @@ class MoE(nnx.Module):
     Returns:
       y: x's shape and dtype; aux: ``{"load_balance_loss": [] float32, "expert_load": [num_experts] int32}``.
     """
-    return moe.moe_apply(self.params(), x, self.config, self.mesh,
-                         workspace=_layer_workspace(self.workspace, self.config, self.mesh, x))
+    mesh = moe.resolve_mesh("MoE", self.mesh)
+    return moe.moe_apply(self.params(), x, self.config, mesh,
+                         workspace=_layer_workspace("MoE", self.workspace, self.config, mesh, x))
 
 
 class LinenMoE(nn.Module):
@@ -148,7 +180,8 @@ class LinenMoE(nn.Module):
 
   Attributes:
     config: the layer (a `moe.MoEConfig`).
-    mesh: the mesh the layer runs on; None: the mesh set with ``jax.set_mesh`` when the layer is called.
+    mesh: the mesh the layer runs on; None: the mesh set with ``jax.set_mesh`` when the layer is called, also
+      inside `jax.jit` (there its `AbstractMesh`, which the parameters' boxes then hold).
     workspace: ``"auto"``, ``"on"``, ``"off"``/None or a `Workspace`: how the exchange runs (module
       docstring).
   """
@@ -178,4 +211,4 @@ class LinenMoE(nn.Module):
     for name, spec in specs.items():
       params[name] = self.param(name, nn.with_partitioning(init, tuple(spec), mesh=mesh), name)
     return moe.moe_apply(params, x, self.config, mesh,
-                         workspace=_layer_workspace(self.workspace, self.config, mesh, x))
+                         workspace=_layer_workspace("LinenMoE", self.workspace, self.config, mesh, x))

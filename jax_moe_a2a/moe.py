@@ -24,7 +24,8 @@ bf16 and FP8 experts) and ``expert_rows`` (the rows sorted by expert, float32 an
 matmuls; the grouped-GEMM experts keep the received rows once and expand them again in the backward pass).
 
 The mesh is an argument of `init_params`, `make_workspace` and `moe_apply`, or, when left out, the one set with
-``jax.set_mesh``.
+``jax.set_mesh``; `init_params` and `moe_apply` take it from there also while tracing (inside `jax.jit`, `jax.grad`),
+as its `AbstractMesh` (`resolve_mesh`).
 
 Without sequence parallelism every tp rank routes and dispatches its full replicated copy of the tokens: the
 baseline that sequence parallelism must equal up to float rounding.
@@ -44,10 +45,14 @@ import functools
 from typing import Any, Mapping, Optional, Union
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch as jax_dispatch
+from jax._src import mesh as jax_mesh
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moe_a2a import _ffi, a2a, experts, layout, quant, routing
 from jax_moe_a2a import workspace as workspace_lib
@@ -62,6 +67,8 @@ WIRE_FORMATS = a2a.WIRE_FORMATS
 _COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 AxisNames = Union[str, tuple[str, ...]]
+# A concrete mesh, or while tracing the abstract one of jax.set_mesh (axis names, sizes and types, no devices).
+AnyMesh = Union[Mesh, AbstractMesh]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -242,22 +249,83 @@ class MoEConfig:
     return self.token_axes + ((self.tp_axis,) if self.sequence_parallel else ())
 
 
-def resolve_mesh(op: str, mesh: Optional[Mesh]) -> Mesh:
-  """`mesh`, or when None the mesh set with ``jax.set_mesh`` (a ValueError when neither is there)."""
+def _context_mesh() -> Optional[Mesh]:
+  """The mesh set with ``jax.set_mesh`` (empty when none is), or None while tracing: JAX keeps devices out of
+  traced code, so ``jax.sharding.get_mesh`` refuses to run inside `jax.jit`, `jax.grad` and the like."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:
+    return None
+
+
+def resolve_mesh(op: str, mesh: Optional[AnyMesh]) -> AnyMesh:
+  """The mesh a call runs on: `mesh`, or when None the mesh set with ``jax.set_mesh``.
+
+  Outside tracing that is the `Mesh` itself; while tracing (inside `jax.jit`, `jax.grad`, `nnx.jit`, ...) it is its
+  `AbstractMesh` (``jax.sharding.get_abstract_mesh``), which shard_map and shardings take in place of the mesh. An
+  `AbstractMesh` given outside tracing is replaced by the mesh set with ``jax.set_mesh`` that it describes.
+
+  Raises:
+    ValueError: neither a mesh given nor one set; an AbstractMesh outside tracing that the mesh set does not match.
+  """
+  context = _context_mesh()
   if mesh is None:
-    mesh = jax.sharding.get_mesh()
-    if not isinstance(mesh, Mesh) or mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh() if context is None else context
+    if not isinstance(mesh, (Mesh, AbstractMesh)) or mesh.empty:
       raise ValueError(f"{op}: mesh must be given, or set with jax.set_mesh(mesh), got neither")
+  elif isinstance(mesh, AbstractMesh) and context is not None:
+    if context.empty or context.abstract_mesh != mesh:
+      raise ValueError(f"{op}: mesh must be a jax.sharding.Mesh outside jit (an AbstractMesh only while tracing, or "
+                       f"under jax.set_mesh of a mesh it describes), got {mesh}")
+    mesh = context
   return mesh
 
 
-def uses_two_level(config: MoEConfig, mesh: Mesh) -> bool:
+def mesh_with_devices(mesh: AnyMesh) -> Optional[Mesh]:
+  """`mesh` if it is a `Mesh`; for an `AbstractMesh`, the mesh set with ``jax.set_mesh`` that it describes (also
+  while tracing), or None.
+
+  For what needs devices while tracing: a workspace, or which devices can map each other's memory. JAX keys a
+  traced function by the abstract mesh alone, so what is built from these devices is checked against the devices
+  the function is lowered for (the one-sided calls do: `Workspace.check_mesh`).
+  """
+  if isinstance(mesh, Mesh):
+    return mesh
+  context = jax_mesh.get_concrete_mesh()  # what jax.sharding.get_mesh returns, and refuses to while tracing
+  if isinstance(context, Mesh) and not context.empty and context.abstract_mesh == mesh:
+    return context
+  return None
+
+
+def _mesh_text(mesh: Any) -> str:
+  """A mesh's axis names and sizes, e.g. ``{'data': 1, 'expert': 8}``."""
+  return str(dict(mesh.shape))
+
+
+def uses_two_level(config: MoEConfig, mesh: AnyMesh) -> bool:
   """Whether the layer dispatches in two levels on `mesh` (`MoEConfig.two_level`; None: when the expert axis is
   two axes and one of its groups spans devices that cannot map each other's memory,
-  `workspace.groups_span_domains`)."""
+  `workspace.groups_span_domains`).
+
+  That needs the mesh's devices only when they belong to several processes (the devices of one process can always
+  map each other's memory); an `AbstractMesh` takes those of the mesh set with ``jax.set_mesh`` (`mesh_with_devices`),
+  and without one a ValueError asks for `MoEConfig.two_level` or the mesh.
+  """
   if config.two_level is not None:
     return config.two_level
-  return len(config.expert_axes) == 2 and workspace_lib.groups_span_domains(mesh, config.expert_axis)
+  if len(config.expert_axes) != 2:
+    return False
+  if isinstance(mesh, AbstractMesh):
+    if jax.process_count() == 1:
+      return False
+    with_devices = mesh_with_devices(mesh)
+    if with_devices is not None:
+      return workspace_lib.groups_span_domains(with_devices, config.expert_axis)
+    raise ValueError(f"uses_two_level: mesh must be a jax.sharding.Mesh to tell whether an expert group over "
+                     f"{config.expert_axis!r} spans hosts ({jax.process_count()} processes), got the AbstractMesh "
+                     f"{_mesh_text(mesh)}; set MoEConfig(two_level=True or False), or pass the mesh (or a "
+                     f"workspace) to moe_apply")
+  return workspace_lib.groups_span_domains(mesh, config.expert_axis)
 
 
 def _workspace_axis(config: MoEConfig, two_level: bool):
@@ -265,10 +333,10 @@ def _workspace_axis(config: MoEConfig, two_level: bool):
   return config.expert_axes[1] if two_level else config.expert_axis
 
 
-def _mesh_axes(op: str, config: MoEConfig, mesh: Mesh) -> dict[str, int]:
+def _mesh_axes(op: str, config: MoEConfig, mesh: AnyMesh) -> dict[str, int]:
   """Checks that every axis the config names exists; returns the mesh's axis sizes."""
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}")
   sizes = dict(mesh.shape)
   named = [("token_axes", a) for a in config.token_axes] + [("expert_axis", a) for a in config.expert_axes]
   if config.tp_axis is not None:
@@ -368,7 +436,7 @@ def _init_values(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
   return out
 
 
-def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[Mesh] = None) -> dict[str, jax.Array]:
+def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = None) -> dict[str, jax.Array]:
   """Random parameters of `config`'s layer, created in place with their shardings (`param_specs`) on `mesh`.
 
   Weights are normal with standard deviation 1/sqrt(fan_in); the DeepSeek correction bias starts at 0. With
@@ -377,10 +445,12 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[Mesh] = None) 
   Args:
     key: a PRNG key.
     config: the layer.
-    mesh: the mesh `moe_apply` will run on; None: the mesh set with ``jax.set_mesh``.
+    mesh: the mesh `moe_apply` will run on; None: the mesh set with ``jax.set_mesh``, also inside `jax.jit` (there
+      its `AbstractMesh`).
 
   Returns:
-    A dict of arrays, shapes and dtypes as `param_shapes`, each with ``NamedSharding(mesh, param_specs[name])``.
+    A dict of arrays, shapes and dtypes as `param_shapes`, each with ``NamedSharding(mesh, param_specs[name])``
+    (inside jit, that sharding as the arrays' constraint).
 
   Raises:
     ValueError: an axis of the config is not in the mesh, or num_experts is not divisible by the expert axis.
@@ -391,7 +461,10 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[Mesh] = None) 
   mesh = resolve_mesh(op, mesh)
   _mesh_axes(op, config, mesh)
   shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
-  return jax.jit(_init_values, static_argnums=1, out_shardings=shardings)(key, config)
+  values = jax.jit(_init_values, static_argnums=1, out_shardings=shardings)(key, config)
+  # Inside an outer jit the inner jit's out_shardings constrain the values but do not enter their types, where the
+  # sharding over Explicit axes lives: reshard puts it there (outside jit the arrays have it already).
+  return {name: _on_explicit_axes(v, shardings[name]) for name, v in values.items()}
 
 
 def _check_params(op: str, params: Any, config: MoEConfig) -> None:
@@ -596,15 +669,53 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
                        f"({tp}) under sequence parallelism, got {local}")
 
 
+# Under the abstract mesh of jax.set_mesh the layer's program names no devices, and JAX lowers it once for every mesh
+# of the same axis names and sizes, whatever its devices: the one-sided calls' check of their mesh, when lowered,
+# would see the first mesh's devices only. This identity on x is registered as needing devices when lowered, so JAX
+# keys the lowering by the program's devices, and checks them against the workspace's: the mesh the layer runs on
+# is the program's devices in their order, laid out as the abstract mesh (as JAX lays out an AbstractMesh).
+_devices_check_p = jax.extend.core.Primitive("jax_moe_a2a_workspace_devices_check")
+_devices_check_p.def_impl(lambda x, **_: x)
+_devices_check_p.def_abstract_eval(lambda x, **_: x)
+ad.primitive_jvps[_devices_check_p] = lambda primals, tangents, **kw: (_devices_check_p.bind(*primals, **kw),
+                                                                       tangents[0])
+batching.primitive_batchers[_devices_check_p] = lambda args, dims, **kw: (_devices_check_p.bind(*args, **kw), dims[0])
+jax_dispatch.prim_requires_devices_during_lowering.add(_devices_check_p)
+
+
+def _devices_check_lowering(ctx, x, *, workspace: Workspace, mesh: AbstractMesh, axis_name):
+  devices = getattr(ctx.module_context.axis_context, "device_assignment", None)
+  if devices is None:
+    raise ValueError(f"moe_apply: the program must be lowered for devices (to check them against the workspace's), "
+                     f"got only the AbstractMesh {_mesh_text(mesh)}")
+  grid = np.empty(len(devices), dtype=object)
+  grid[:] = devices
+  concrete = Mesh(grid.reshape(mesh.axis_sizes), mesh.axis_names, axis_types=mesh.axis_types)
+  workspace.check_mesh("moe_apply", concrete, axis_name)
+  return [x]
+
+
+mlir.register_lowering(_devices_check_p, _devices_check_lowering)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[Workspace]):
-  two_level = uses_two_level(config, mesh)
+def _moe_apply(params, x, config: MoEConfig, mesh: AnyMesh, workspace: Optional[Workspace]):
+  devices_mesh = mesh
+  if isinstance(workspace, Workspace) and isinstance(mesh, AbstractMesh):
+    # The abstract mesh of jax.set_mesh while tracing has no devices; a workspace of the same axes has, and the
+    # program's devices are checked against its own when lowered (_devices_check_p).
+    workspace.check_mesh_shape("moe_apply", mesh)
+    devices_mesh = workspace.mesh
+  two_level = uses_two_level(config, devices_mesh)
   if isinstance(workspace, Workspace):
     axis = _workspace_axis(config, two_level)
     if two_level and workspace.expert_axis != axis:
       raise ValueError(f"moe_apply: a two-level layer needs a workspace over its local axis {axis!r} "
                        f"(make_workspace), got one over {workspace.expert_axis!r}")
-    workspace.check_mesh("moe_apply", mesh, axis)  # the calls check it too, when lowered
+    if isinstance(mesh, Mesh):
+      workspace.check_mesh("moe_apply", mesh, axis)  # the calls check it too, when lowered
+    else:
+      x = _devices_check_p.bind(x, workspace=workspace, mesh=mesh, axis_name=axis)
   tok = config.token_axes or None
   x_spec = P(tok, *([None] * (x.ndim - 1)))
   specs = param_specs(config)
@@ -619,14 +730,15 @@ def _moe_apply(params, x, config: MoEConfig, mesh: Mesh, workspace: Optional[Wor
   return y, {"load_balance_loss": loss, "expert_load": load}
 
 
-def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: Mesh) -> Any:
-  """x resharded to the layer's ``P(token_axes, None, ...)`` on the Explicit axes of `mesh` (none: x as it is).
+def _on_explicit_axes(x: Any, sharding: NamedSharding) -> Any:
+  """x resharded to `sharding` on the Explicit axes of its mesh (none: x as it is).
 
   shard_map takes an input whose sharding over Auto axes differs from its in_specs (it reshards), but over
   Explicit axes (`jax.make_mesh`'s default) it requires the input's to be the in_specs'. `jax.sharding.reshard`
   (a device_put for a concrete array, a sharding cast under jit) gives x that sharding: the spec restricted to
   the Explicit axes, as x's type records it.
   """
+  mesh = sharding.mesh
   explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
   if not explicit:
     return x
@@ -636,14 +748,19 @@ def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: Mesh) -> Any:
     axes = [tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a in explicit) for e in entries]
     return tuple(None if not e else e[0] if len(e) == 1 else e for e in axes)
 
-  want = on_explicit(P(config.token_axes or None, *([None] * (x.ndim - 1))))
+  want = on_explicit(sharding.spec)
   have = jax.typeof(x).sharding
   if have.mesh == mesh.abstract_mesh and on_explicit(have.spec) == want:
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, P(*want)))
 
 
-def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Optional[Mesh] = None, *,
+def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: AnyMesh) -> Any:
+  """x resharded to the layer's ``P(token_axes, None, ...)`` on the Explicit axes of `mesh` (`_on_explicit_axes`)."""
+  return _on_explicit_axes(x, NamedSharding(mesh, P(config.token_axes or None, *([None] * (x.ndim - 1)))))
+
+
+def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = None, *,
               workspace: Optional[Workspace] = None,
               gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
@@ -658,10 +775,13 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       `config.token_axes` (``P(token_axes, None)``), replicated over the other axes (tp_axis in particular).
       An x sharded otherwise (or not committed to the mesh) is resharded to that, also over Explicit mesh axes.
     config: the layer.
-    mesh: a mesh holding every axis the config names; None: the mesh set with ``jax.set_mesh``.
+    mesh: a mesh holding every axis the config names; None: the mesh set with ``jax.set_mesh``, also inside
+      `jax.jit` and `jax.grad` (there its `AbstractMesh`: `resolve_mesh`).
     workspace: a `Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
       of the same devices in another order, is refused: `Workspace.check_mesh`): dispatch and combine then run
-      as one-sided custom calls. None: the twin throughout.
+      as one-sided custom calls. None: the twin throughout. Under an `AbstractMesh` (the mesh of ``jax.set_mesh``
+      while tracing) the workspace's mesh must have its axis names and sizes, and gives the devices where the layer
+      needs them (`uses_two_level`); its devices are checked against the mesh's when the calls are lowered.
     gemm_impl: when given, replaces `config.gemm_impl` (e.g. "ffi": the routed experts on the FP8 grouped GEMM
       custom call).
 
@@ -674,7 +794,7 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
     TypeError, ValueError: at trace time, for a config that is not a MoEConfig, axes missing from the mesh,
       num_experts not divisible by the expert axis size, a token count not divisible by the token sharding (or,
       under sequence parallelism, a shard's tokens by the tp size), params or x of the wrong shape or dtype, and a
-      workspace whose expert groups are not this mesh's.
+      workspace whose expert groups (or, while tracing, axis names and sizes) are not this mesh's.
   """
   op = "moe_apply"
   if not isinstance(config, MoEConfig):
@@ -696,9 +816,14 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
   the wire format and top_k of the config, and expert outputs in the compute dtype; with ``training``, room for
   the rows of combine's VJP too, so that it is one-sided whatever the wire format (`Workspace`). A two-level
   layer (`uses_two_level`) gets one over its local axis, one expert group per node, holding the rows of every node.
-  mesh None: the mesh set with ``jax.set_mesh``. Close it when done.
+  mesh None: the mesh set with ``jax.set_mesh``. Create it outside `jax.jit` (it is memory on the mesh's devices;
+  while tracing the mesh of ``jax.set_mesh`` is abstract and refused) and close it when done.
   """
   mesh = resolve_mesh("make_workspace", mesh)
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"make_workspace: mesh must be a jax.sharding.Mesh (the workspace is memory on its devices), got "
+                     f"the AbstractMesh {_mesh_text(mesh)} (inside jax.jit, jax.grad and the like, the mesh of "
+                     f"jax.set_mesh has no devices); make the workspace outside jit and pass it in")
   _mesh_axes("make_workspace", config, mesh)
   sizes = dict(mesh.shape)
   shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))

@@ -97,8 +97,10 @@ class Workspace:
   exchange); `check()` and every later call on it raise, naming the rank(s) that did not arrive.
 
   Args:
-    mesh: the mesh the MoE layer runs on. A call under another mesh must find there the same expert groups, in the
-      same rank order (`check_mesh`, when the call is lowered): the same devices in another order are refused.
+    mesh: the mesh the MoE layer runs on (kept as ``mesh``). A call under another mesh must find there the same
+      expert groups, in the same rank order (`check_mesh`, when the call is lowered): the same devices in another
+      order are refused. A layer traced under the abstract mesh of ``jax.set_mesh`` (inside `jax.jit`) must have
+      this mesh's axis names and sizes (`check_mesh_shape`), and takes devices from this one.
     expert_axis: the mesh axis (or tuple of axes) of `dispatch`'s `axis_name`.
     capacity: the largest per-shard token count T of a call.
     hidden: activation width.
@@ -174,6 +176,7 @@ class Workspace:
       raise ValueError(f"{op}: the block of one device must be at most 2**63 - 1 bytes, got "
                        f"{self.layout.total_bytes} for capacity={capacity}, hidden={hidden}, top_k={top_k}, "
                        f"{num_ranks} ranks and fmt={fmt!r}")
+    self.mesh = mesh
     self.expert_axis = expert_axis
     self.training = bool(training)
     self.num_ranks = num_ranks
@@ -330,6 +333,18 @@ class Workspace:
     if not set(calling) <= set(self.groups):
       raise ValueError(f"{op}: the mesh's expert groups over {axis_name!r} (device ids in rank order) must be groups of "
                        f"the workspace's mesh, {_groups_text(self.groups)}, got {_groups_text(calling)}")
+
+  def check_mesh_shape(self, op: str, mesh: Any) -> None:
+    """Raises ValueError unless ``mesh`` (a `jax.sharding.Mesh` or `AbstractMesh`) has the axis names and sizes of
+    this workspace's mesh, in its order.
+
+    While tracing, the mesh of ``jax.set_mesh`` is abstract: its names and sizes are all there is to match at trace
+    time; the devices are matched when the calls are lowered (`check_mesh`).
+    """
+    shape = dict(getattr(mesh, "shape", {}))
+    if tuple(shape.items()) != tuple(self.mesh.shape.items()):
+      raise ValueError(f"{op}: the mesh must have the axis names and sizes of the workspace's mesh, "
+                       f"{dict(self.mesh.shape)}, got {shape}")
 
   def _dispatch_row_problems(self, x: Any) -> list[str]:
     """What keeps ``x`` ([T, ...], an array or its shape and dtype) out of the dispatch regions: T over the

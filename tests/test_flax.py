@@ -158,6 +158,33 @@ def test_linen_workspace_on_uses_the_one_sided_calls(monkeypatch):
   flax_moe.close_workspaces()
 
 
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_functions_jitted_before_close_workspaces_make_new_workspaces(monkeypatch):
+  """A function jitted (nnx.jit, jax.jit closing over the layer) before close_workspaces runs again after it, on a
+  new workspace of the layer, with the same result: the compiled one held the closed workspace's id."""
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
+  config, mesh, x = _setup()
+  flax_moe.close_workspaces()
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
+  linen = flax_moe.LinenMoE(config=config, mesh=mesh, workspace="on")
+  variables = linen.init(jax.random.key(0), x)
+  by_nnx = nnx.jit(lambda layer, x: layer(x)[0])
+  by_jax = jax.jit(lambda x: layer(x)[0])
+  by_linen = jax.jit(lambda v, x: linen.apply(v, x)[0])
+  want = [by_nnx(layer, x), by_jax(x), by_linen(variables, x)]
+  (old,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
+  flax_moe.close_workspaces()
+  try:
+    got = [np.asarray(y) for y in (by_nnx(layer, x), by_jax(x), by_linen(variables, x))]
+    (new,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
+    assert old.closed and not new.closed
+    new.check()
+  finally:
+    flax_moe.close_workspaces()
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
 def test_modules_reject_an_unknown_workspace_mode():
   config, mesh, x = _setup()
   with pytest.raises(ValueError, match=r"MoE: workspace must be one of 'auto', 'on', 'off', None \(as 'off'\) or "
