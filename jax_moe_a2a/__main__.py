@@ -116,7 +116,8 @@ _PLAN_NAMES = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "hidden":
 _DEMO_NAMES = {"num_experts": "--experts", "top_k": "--top-k", "hidden": "--hidden", "ffn": "--ffn",
                "wire_format": "--wire", "n_group": "--n-group", "topk_group": "--topk-group",
                "router_kind": "--router", "num_shared_experts": "--shared-experts", "fp8_weights": "--fp8-weights",
-               "dtype": "--dtype", "gemm_impl": "--gemm", "tp_axis": "--tp", "sequence_parallel": "--sequence-parallel"}
+               "dtype": "--dtype", "gemm_impl": "--gemm", "tp_axis": "--tp", "sequence_parallel": "--sequence-parallel",
+               "expert_backward": "--expert-backward"}
 
 
 def _refused(error: ValueError, names: dict[str, str]) -> _OptionError:
@@ -167,6 +168,9 @@ def _check_demo(args: argparse.Namespace) -> None:
   if args.top_k > args.experts:
     raise _OptionError("--top-k", f"must be <= --experts ({args.experts}), got {args.top_k}")
   _check_hidden_fits(args.hidden, args.wire)
+  if args.expert_backward == "fp8" and args.gemm == "dtype":
+    raise _OptionError("--expert-backward", "fp8 is the backward of FP8 experts: it needs --gemm ffi or reference, "
+                                            "got --gemm dtype")
   if args.gemm != "dtype":
     for option, v in (("--hidden", args.hidden), ("--ffn", args.ffn)):
       if v % quant.FP8_BLOCK:
@@ -202,7 +206,8 @@ def _check_demo(args: argparse.Namespace) -> None:
   try:
     moe.MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
                   wire_format=args.wire, num_shared_experts=args.shared_experts, fp8_weights=args.fp8_weights,
-                  dtype=jnp.dtype(args.dtype), gemm_impl=None if args.gemm == "dtype" else args.gemm, **router)
+                  dtype=jnp.dtype(args.dtype), gemm_impl=None if args.gemm == "dtype" else args.gemm,
+                  expert_backward=args.expert_backward, **router)
   except ValueError as e:
     raise _refused(e, _DEMO_NAMES) from None
 

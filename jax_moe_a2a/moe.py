@@ -125,6 +125,10 @@ class MoEConfig:
     gemm_impl: None: the routed experts compute in `dtype`; ``"auto" | "ffi" | "reference"``: they run in FP8
       with `experts.swiglu_mlp_fp8` (the grouped GEMM custom call, or its pure-JAX twin); hidden and ffn must
       then be multiples of 128.
+    expert_backward: how the FP8 experts (gemm_impl) are differentiated: ``"bf16"`` (default), straight-through on
+      the bf16 grouped GEMMs; ``"fp8"``, DeepSeek-V3's recipe: the data gradients on the FP8 grouped GEMM (the
+      output cotangent and the SwiGLU backward's rows quantized 1x128, the forward's FP8 weights transposed) and
+      the gate/up rows kept for the backward in FP8 (`experts.swiglu_mlp_fp8`); the weight gradients stay bf16.
   """
 
   num_experts: int
@@ -150,6 +154,7 @@ class MoEConfig:
   param_dtype: Any = jnp.float32
   impl: str = "auto"
   gemm_impl: Optional[str] = None
+  expert_backward: str = "bf16"
 
   def __post_init__(self):
     op = "MoEConfig"
@@ -214,6 +219,12 @@ class MoEConfig:
       object.__setattr__(self, name, dt)
     if self.impl not in _ffi.IMPLS:
       raise ValueError(f"{op}: impl must be one of {', '.join(_ffi.IMPLS)}, got {self.impl!r}")
+    if self.expert_backward not in experts.BACKWARDS:
+      raise ValueError(f"{op}: expert_backward must be one of {', '.join(experts.BACKWARDS)}, got "
+                       f"{self.expert_backward!r}")
+    if self.expert_backward == "fp8" and self.gemm_impl is None:
+      raise ValueError(f"{op}: expert_backward='fp8' is the backward of FP8 experts, so it needs gemm_impl "
+                       f"('auto', 'ffi' or 'reference'), got gemm_impl=None")
     if self.gemm_impl is not None:
       if self.gemm_impl not in _ffi.IMPLS:
         raise ValueError(f"{op}: gemm_impl must be None or one of {', '.join(_ffi.IMPLS)}, got {self.gemm_impl!r}")
@@ -630,7 +641,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_l
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), wire_codes=codes,
                                       out_dtype=dtype, compute_dtype=dtype, gemm_impl=config.gemm_impl,
-                                      impl=config.impl)
+                                      impl=config.impl, backward=config.expert_backward)
   # Combine sums in float32 and rounds once to its out_dtype: straight to x's dtype where nothing is added after.
   direct = not config.num_shared_experts and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
   combine = a2a.combine_two_level if two_level else a2a.combine

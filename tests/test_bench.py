@@ -111,7 +111,7 @@ def test_kernel_busy_us_is_the_slowest_devices_time_in_the_named_kernels_per_cal
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
   bench_layer = _import_bench("bench_layer")
-  variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_stored", "fp8_ws_2l"]
+  variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_fp8bwd", "fp8_stored", "fp8_ws_2l"]
   assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
                            "2", "--runs", "2", "--input-sets", "2", "--chain", "3", "--variants", *variants, "--check",
                            "--out", str(tmp_path)]) == 0

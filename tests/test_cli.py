@@ -39,6 +39,8 @@ def _usage_error(argv, capsys) -> str:
     (["--router", "deepseek_v3", "--topk-group", "9"], "--topk-group", "must be <= --n-group (8), got 9"),
     (["--router", "deepseek_v3", "--experts", "16", "--n-group", "16", "--topk-group", "1", "--top-k", "4"],
      "--top-k", "must be <= the experts of --topk-group groups, 1 * 1 = 1, got 4"),
+    (["--expert-backward", "fp8"], "--expert-backward",
+     "fp8 is the backward of FP8 experts: it needs --gemm ffi or reference, got --gemm dtype"),
     (["--sequence-parallel"], "--sequence-parallel", "needs --tp > 1"),
     (["--tp", "3"], "--tp", "must divide the device count (8), got 3"),
     (["--data", "3"], "--data", "must divide the device count (8), got 3"),
@@ -59,6 +61,7 @@ def test_demo_refuses_values_the_layer_refuses_naming_the_option(argv, option, m
 @pytest.mark.parametrize("argv", [
     [],
     ["--wire", "fp8_blockwise", "--gemm", "ffi", "--fp8-weights", "--shared-experts", "1"],
+    ["--gemm", "reference", "--expert-backward", "fp8"],
     ["--router", "deepseek_v3", "--experts", "16", "--top-k", "8"],
     ["--tp", "2", "--sequence-parallel", "--tokens", "4"],
     ["--tp", "2", "--data", "4"],
