@@ -259,7 +259,7 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
   slowest = max(per_device, key=lambda s: sum(s.values()))
   top: dict[str, list] = {}  # per stage ("other" too), its largest kernels, in ms averaged over devices
   for (stage, k), v in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-    if len(top.setdefault(stage, [])) < (8 if stage == "other" else 4):
+    if len(top.setdefault(stage, [])) < 12:
       top[stage].append((k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)))
   return slowest, top.pop("other", []), top
 

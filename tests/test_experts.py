@@ -359,8 +359,8 @@ def _qdq_rows(v):
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
 def test_fp8_backward_is_the_fp8_data_gradient(impl):
   """backward="fp8": the data gradient is dx = Q(dh) @ W_gu and dh from g = Q(ct) @ W_dn and the kept Q(h), Q the
-  1x128 quantizer, W the forward's FP8 weights: against that product emulated in float64 (within the bf16 rounding of g and dx, and
-  dh's quantization where g rounded the other way: max error 1e-2 of max |dx|); the weight gradients are the bf16
+  1x128 quantizer, W the forward's FP8 weights: against that product emulated in float64 (calc_diff 1e-4: the bf16 rounding of g and
+  dx, and dh's quantization where g rounded the other way); the weight gradients are the bf16
   GEMMs' (on the FP8 path's dh and on act recomputed from the kept Q(h)); against the float32 MLP every gradient is within FP8 error (calc_diff
   5e-3)."""
   from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
@@ -396,11 +396,14 @@ def test_fp8_backward_is_the_fp8_data_gradient(impl):
   for e, n in enumerate(np.asarray(sizes)):
     rows = slice(start, start + n)
     g = np.asarray(jnp.asarray(_qdq_rows(ct_b[rows]) @ dn[e], jnp.bfloat16), np.float32)  # bf16 out
-    dh = experts._swiglu_bwd(h_all[rows], jnp.asarray(g))  # pylint: disable=protected-access
-    want[rows] = _qdq_rows(np.asarray(dh)) @ gu[e]
+    dh = experts._swiglu_bwd(h_all[rows], jnp.asarray(g)).astype(jnp.bfloat16)  # pylint: disable=protected-access
+    want[rows] = _qdq_rows(np.asarray(dh, np.float32)) @ gu[e]
     start += n
   got = np.asarray(fp8[0], np.float64)
-  assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+  # Where the kernel's g or gate/up rows rounded to bf16 the other way than here, an element of dh quantizes to the
+  # neighbouring E4M3 code (1/16 apart): rare, so the energy of the difference stays far below FP8's own error
+  # (weights or activations not FP8 would give calc_diff ~1e-3 or more).
+  assert calc_diff(got, want) < 1e-4
   assert not np.any(got[290:])
   assert not np.array_equal(np.asarray(fp8[0]), np.asarray(bf16[0]))  # the FP8 path is the one taken
   f32 = lambda x, gu, dn: jnp.sum(experts.swiglu_mlp_xla(x, sizes, experts.ExpertWeights(gu, dn),
