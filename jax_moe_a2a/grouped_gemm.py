@@ -377,3 +377,114 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
     out = (jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), _bf16_scratch(num_groups, mode, f32_out))
     return _ffi.ffi_call("grouped_gemm_bf16", out, a, b, group_sizes, mode=np.int32(mode))[0]
   return grouped_gemm_bf16_wgrad_reference(a, b, group_sizes, out_dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 weight gradient: per group, a contraction over its tokens of K-major operands with 128x1 scales
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_wgrad_fp8(op: str, a_t: Any, a_sf_t: Any, b_t: Any, b_sf_t: Any, group_sizes: Any) -> tuple[int, int, int, int]:
+  """Checks the operands of `grouped_gemm_fp8_wgrad`; returns (G, Na, Nb, P)."""
+  for name, v, dtype in (("a_t", a_t, jnp.float8_e4m3fn), ("a_sf_t", a_sf_t, jnp.float32),
+                         ("b_t", b_t, jnp.float8_e4m3fn), ("b_sf_t", b_sf_t, jnp.float32)):
+    if v is None or not hasattr(v, "dtype"):
+      raise TypeError(f"{op}: {name} must be a {jnp.dtype(dtype).name} array, got {type(v).__name__}")
+    if jnp.dtype(v.dtype) != jnp.dtype(dtype):
+      raise TypeError(f"{op}: {name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(v.dtype).name}")
+  num_groups = _check_group_sizes(op, group_sizes, None)
+  for name, v in (("a_t", a_t), ("b_t", b_t)):
+    if v.ndim != 2 or not v.shape[0] or v.shape[0] % BLOCK:
+      raise ValueError(f"{op}: {name} must be [N, P] with N a positive multiple of {BLOCK}, got shape "
+                       f"{tuple(v.shape)}")
+  na, p = a_t.shape
+  nb = b_t.shape[0]
+  if p % BLOCK or p < BLOCK * num_groups:
+    raise ValueError(f"{op}: a_t must be [Na, P] with P a multiple of {BLOCK} and P >= 128 * G = "
+                     f"{BLOCK * num_groups} (G = {num_groups} from group_sizes: P = round_up(M, 128) + 128 G, "
+                     f"quant.grouped_kmajor_length), got shape {tuple(a_t.shape)}")
+  if b_t.shape[1] != p:
+    raise ValueError(f"{op}: b_t must be [Nb, P] with P = {p} (from a_t), got shape {tuple(b_t.shape)}")
+  for name, v, n in (("a_sf_t", a_sf_t, na), ("b_sf_t", b_sf_t, nb)):
+    if tuple(v.shape) != (p // BLOCK, n):
+      raise ValueError(f"{op}: {name} must be [P/128, N] = {(p // BLOCK, n)}, got shape {tuple(v.shape)}")
+  return num_groups, na, nb, p
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_gemm_fp8_wgrad_reference(a_t, a_sf_t, b_t, b_sf_t, group_sizes, *, out_dtype=jnp.float32):
+  """Pure-JAX twin of `grouped_gemm_fp8_wgrad`: both operands dequantized, one float32 product per group over its
+  padded token columns at HIGHEST precision (the other columns zeroed, so a non-finite value stays in its group)."""
+  num_groups = group_sizes.shape[0]
+  p = a_t.shape[1]
+  a = quant.dequantize_fp8_kmajor_reference(a_t, a_sf_t)
+  b = quant.dequantize_fp8_kmajor_reference(b_t, b_sf_t)
+  # P = round_up(M, 128) + 128 G: clamping against round_up(M, 128) reads the same columns as against M, since every
+  # column past the quantizer's last row is code 0 (module docstring of the op).
+  owner, _, _ = quant.kmajor_column_groups(group_sizes, p - BLOCK * num_groups, p)
+
+  def one(g):
+    mine = (owner == g)[None, :]
+    return jax.lax.dot_general(jnp.where(mine, a, 0.0), jnp.where(mine, b, 0.0), (((1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+  return jax.lax.map(one, jnp.arange(num_groups, dtype=jnp.int32)).astype(out_dtype)
+
+
+def wgrad_scratch_bytes(num_groups: int) -> int:
+  """Device scratch of one `grouped_gemm_fp8_wgrad` custom call with `num_groups` groups (0 on CPU)."""
+  if jax.default_backend() != "gpu":
+    return 0
+  return int(_ffi.extension().grouped_gemm_fp8_wgrad_scratch_bytes(int(num_groups)))
+
+
+def grouped_gemm_fp8_wgrad(a_t: jax.Array, a_sf_t: jax.Array, b_t: jax.Array, b_sf_t: jax.Array,
+                           group_sizes: jax.Array, *, out_dtype=jnp.float32, impl: str = "auto") -> jax.Array:
+  """Per group, ``d[g] = A_g B_g^T`` over its tokens, A and B in the K-major FP8 of `quant.quantize_fp8_grouped_kmajor`.
+
+  The FP8 weight gradient of the expert MLP (DeepSeek-V3's recipe): for ``y = x @ W[g]^T`` per group,
+  ``dW = grouped_gemm_fp8_wgrad(*quantize_fp8_grouped_kmajor(dy, sizes), *quantize_fp8_grouped_kmajor(x, sizes),
+  sizes)``. Group g contracts the columns [off_g, off_g + round_up(size_g, 128)) of both operands (its tokens and
+  their code-0 padding): K is a run-time multiple of 128 per group, read on the device (no host synchronization;
+  CUDA-graph safe). Accumulation is float32 with the scales applied once per 128-token block. A group that owns no
+  rows gives zeros.
+
+  Sizes are clamped as the quantizer does, but against round_up(M, 128) = P - 128 G, the row count the padded
+  length gives back: where the quantizer clamped against M the extra columns this reads are code 0, so the
+  result is the same.
+
+  Implementations: ``"ffi"`` is the custom call ``jax_moe_a2a_grouped_gemm_fp8_wgrad`` -- on GPUs CUTLASS's SM90
+  pointer-array grouped GEMM with blockwise scaling (one scale per row of A and of B per 128-deep K block), on CPU
+  a float32 loop over the dequantized operands; ``"reference"`` is the twin (float32 at HIGHEST precision). They
+  agree to float32 rounding of the accumulation.
+
+  Args:
+    a_t: float8_e4m3fn [Na, P] (e.g. dy quantized K-major), Na a positive multiple of 128.
+    a_sf_t: float32 [P/128, Na].
+    b_t: float8_e4m3fn [Nb, P] (e.g. the forward input x), same P, Nb a positive multiple of 128.
+    b_sf_t: float32 [P/128, Nb].
+    group_sizes: int32 [G], the sizes given to the quantizer (a list of ints is converted).
+    out_dtype: float32 or bfloat16 (the float32 sums rounded once).
+    impl: "auto", "ffi" or "reference".
+
+  Returns:
+    [G, Na, Nb] out_dtype.
+
+  Raises:
+    TypeError / ValueError: an operand has the wrong dtype or shape (P not a multiple of 128, P < 128 G, the P of
+      b_t or of a scale differing from a_t's), or out_dtype is not float32 or bfloat16.
+  """
+  op = "grouped_gemm_fp8_wgrad"
+  group_sizes = _as_group_sizes(op, group_sizes)
+  num_groups, na, nb, _ = _check_wgrad_fp8(op, a_t, a_sf_t, b_t, b_sf_t, group_sizes)
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    out_dtype = None
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    out = (jax.ShapeDtypeStruct((num_groups, na, nb), out_dtype),
+           jax.ShapeDtypeStruct((wgrad_scratch_bytes(num_groups),), jnp.uint8))
+    return _ffi.ffi_call("grouped_gemm_fp8_wgrad", out, a_t, a_sf_t, b_t, b_sf_t, group_sizes)[0]
+  return grouped_gemm_fp8_wgrad_reference(a_t, a_sf_t, b_t, b_sf_t, group_sizes, out_dtype=out_dtype)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_moe_a2a import _ffi, layout
 
@@ -425,6 +426,171 @@ def to_block_major_k(x_q: jax.Array, x_sf: jax.Array) -> tuple[jax.Array, jax.Ar
   # Type and shape checks
   check_fp8_blockwise("to_block_major_k", x_q, x_sf)
   return x_q, x_sf.T
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped K-major FP8 for the weight gradient: 128x1 tiles along the tokens of each group
+# ----------------------------------------------------------------------------------------------------------------
+
+MAX_KMAJOR_GROUPS = 65535
+
+
+def grouped_kmajor_length(m: int, num_groups: int) -> int:
+  """P, the padded token length of `quantize_fp8_grouped_kmajor` for M rows in G groups: ``round_up(M, 128) + 128 G``.
+
+  Each group's rows are padded to a multiple of 128, which adds fewer than 128 columns per group, so P holds every
+  group for any sizes; it is static (it depends on shapes only). The GEMM reads it back as
+  ``round_up(M, 128) = P - 128 G`` (`kmajor_column_groups`).
+  """
+  return layout.round_up(int(m), FP8_BLOCK) + FP8_BLOCK * int(num_groups)
+
+
+def _clamped_groups(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+  """(start, size) per group, int32 [G] each, of rows sorted by group: sizes clamped to [0, rows] and summed with
+  saturation at `rows` (as `grouped_gemm.owned_rows` with masked=False, no partial sum leaving [0, rows])."""
+  req = jnp.clip(group_sizes.astype(jnp.int32), 0, rows)
+  end = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, rows - a), req)
+  start = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
+  return start, end - start
+
+
+def kmajor_column_groups(group_sizes: jax.Array, rows: int, p: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The padded K-major layout of rows sorted by group, per column of [.., P]: (group, source row, is a row).
+
+  Group g (sizes clamped as `_clamped_groups` says, against `rows`) owns the columns [off_g, off_g + pad_g) with
+  pad_g = round_up(size_g, 128) and off_g the sum of pad over earlier groups; the first size_g of them hold its
+  rows in order, the others are padding. Returns int32 [P] group ids (G past the last group), int32 [P] source
+  rows (0 where there is none) and bool [P] (the column holds a row).
+  """
+  num_groups = group_sizes.shape[0]
+  start, size = _clamped_groups(group_sizes, rows)
+  padded = (size + (FP8_BLOCK - 1)) // FP8_BLOCK * FP8_BLOCK
+  end_off = jnp.cumsum(padded)
+  col = jnp.arange(p, dtype=jnp.int32)
+  # The first group whose padded range ends after the column (empty groups end where they start: skipped).
+  group = jnp.searchsorted(end_off, col, side="right").astype(jnp.int32)
+  gi = jnp.minimum(group, num_groups - 1)
+  within = col - (end_off[gi] - padded[gi])
+  is_row = (group < num_groups) & (within < size[gi])
+  return group, jnp.where(is_row, start[gi] + within, 0), is_row
+
+
+def _check_kmajor_group_sizes(op: str, group_sizes: Any) -> jax.Array:
+  """group_sizes as int32 [G], 1 <= G <= 65535 (a list or tuple of ints is converted)."""
+  if isinstance(group_sizes, (list, tuple)):
+    values = np.asarray(group_sizes)
+    if values.dtype.kind not in "iu" or (values.size and (values.min() < -2**31 or values.max() >= 2**31)):
+      raise TypeError(f"{op}: group_sizes must be int32 [G] (an int32 array, or a list of ints), got "
+                      f"{type(group_sizes).__name__} {group_sizes!r}")
+    group_sizes = jnp.asarray(values.astype(np.int32))
+  _check_dtype(op, "group_sizes", group_sizes, jnp.int32)
+  if len(group_sizes.shape) != 1 or not 1 <= group_sizes.shape[0] <= MAX_KMAJOR_GROUPS:
+    raise ValueError(f"{op}: group_sizes must be [G] with 1 <= G <= {MAX_KMAJOR_GROUPS}, got shape "
+                     f"{tuple(group_sizes.shape)}")
+  return group_sizes
+
+
+@jax.jit
+def quantize_fp8_grouped_kmajor_reference(x: jax.Array, group_sizes: jax.Array,
+                                          x_sf: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+  """Pure-JAX twin of `quantize_fp8_grouped_kmajor` (same semantics, no argument checks)."""
+  m, c = x.shape
+  p = grouped_kmajor_length(m, group_sizes.shape[0])
+  _, src, is_row = kmajor_column_groups(group_sizes, m, p)
+  if m == 0:
+    xt = jnp.zeros((c, p), jnp.float32)
+  else:
+    xf = x.astype(jnp.float32) if x_sf is None else dequantize_fp8_blockwise_reference(x, x_sf)
+    xt = jnp.where(is_row[None, :], xf[src].T, 0.0)  # [C, P]
+  q, scale = _fp8_block_quantize(xt.reshape(c, p // FP8_BLOCK, FP8_BLOCK), (2,))
+  # Padding columns are code 0 also in a block marked NaN.
+  q = _where_bits(~is_row[None, :], 0, q.reshape(c, p))
+  return q, scale.T
+
+
+def _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf):
+  m, c = x.shape
+  p = grouped_kmajor_length(m, group_sizes.shape[0])
+  out = (jax.ShapeDtypeStruct((c, p), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((p // FP8_BLOCK, c), jnp.float32),
+         jax.ShapeDtypeStruct((p // FP8_BLOCK, 2), jnp.int32))  # per 128 columns: first source row, rows
+  sf_in = jnp.zeros((0,), jnp.float32) if x_sf is None else x_sf
+  q, sf, _ = _ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, sf_in, group_sizes)
+  return q, sf
+
+
+def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[jax.Array] = None, *,
+                                impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """Transposes rows sorted by group to K-major FP8 with one FP32 scale per 128 tokens of a group x 1 column.
+
+  The operands of the weight gradient ``dW[g] = dy_g^T x_g`` (`grouped_gemm.grouped_gemm_fp8_wgrad`): FP8 wgmma
+  needs the contracted token dimension contiguous, so x [M, C] becomes q_t [C, P] with each group's rows padded to
+  a multiple of 128 tokens, and each scale covers 128 tokens of one group in one column ("128x1 tiles").
+
+  Layout: rows are grouped as in `grouped_gemm` (contiguous): group g owns the `group_sizes[g]` rows after those
+  of groups 0..g-1, sizes clamped to >= 0 and to the rows that are left. Its rows occupy the columns
+  [off_g, off_g + size_g) of q_t, off_g = the sum of round_up(size_h, 128) over the groups h before g, so each group
+  starts on a 128-column block and no block holds two groups. P = `grouped_kmajor_length(M, G)`
+  = round_up(M, 128) + 128 G (static). Padding columns, and every column past the last group, are code 0; a
+  block with no rows has the all-zero block's scale, 2^-48.
+
+  Scales: each block of 128 columns of one row of q_t is quantized by the rule of `quantize_fp8_blockwise` over
+  its 128 values (padding counts as 0): power-of-two scale from amax, one E4M3 rounding; a block holding a NaN or
+  an infinity gets the E4M3 NaN code for each of its rows and the float32 NaN scale (its padding stays code 0).
+  The twin, the CPU handler and the CUDA kernel give the same bits.
+
+  FP8 input: x float8_e4m3fn with its 1x128 scales x_sf [M, C/128] is first decoded exactly as
+  `dequantize_fp8_blockwise` does (code * scale in float32), then quantized along the tokens. That is a second
+  rounding: a 128x1 tile's scale comes from another set of values than the 1x128 group's, so the codes change
+  (the error of both roundings adds up). `to_block_major_k` is not that: it keeps the codes and 1x128 tiles
+  and only transposes the scale array.
+
+  Args:
+    x: [M, C] bfloat16, float16 or float32, or float8_e4m3fn with `x_sf`; C a positive multiple of 128.
+    group_sizes: int32 [G], 1 <= G <= 65535 (run-time values; a list of ints is converted).
+    x_sf: float32 [M, C/128], the 1x128 scales of an FP8 `x` (None otherwise).
+    impl: "auto", "ffi" (the custom call jax_moe_a2a_quantize_fp8_grouped_kmajor) or "reference".
+
+  Returns:
+    q_t: float8_e4m3fn [C, P].
+    sf_t: float32 [P/128, C] (MN-major: C contiguous, so one group's scales are a compact block of rows, which
+      is what the GEMM's per-group scale layout needs).
+
+  Raises:
+    TypeError: x, x_sf or group_sizes has the wrong dtype.
+    ValueError: a shape is wrong (x not 2-D, C not a positive multiple of 128, x_sf not [M, C/128], x_sf given
+      for a float x or missing for an FP8 x, group_sizes not [G]).
+  """
+  op = "quantize_fp8_grouped_kmajor"
+  _check_array(op, "x", x)
+  fp8 = jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+  if not fp8 and jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
+    raise TypeError(f"{op}: x must be {_FLOAT_INPUTS_TEXT}, or float8_e4m3fn with x_sf, got {x.dtype}")
+  m, c = _check_2d(op, "x", x, "[M, C]")
+  if c % FP8_BLOCK or c == 0:
+    raise ValueError(f"{op}: x must be [M, C] with C a positive multiple of {FP8_BLOCK}, got shape {tuple(x.shape)}")
+  if fp8:
+    if x_sf is None:
+      raise ValueError(f"{op}: x_sf must be given for a float8_e4m3fn x (its [M, C/128] float32 scales), got None")
+    _check_dtype(op, "x_sf", x_sf, jnp.float32)
+    if tuple(x_sf.shape) != (m, c // FP8_BLOCK):
+      raise ValueError(f"{op}: x_sf must be [M, C/128] = {(m, c // FP8_BLOCK)} for x of shape {(m, c)}, got shape "
+                       f"{tuple(x_sf.shape)}")
+  elif x_sf is not None:
+    raise ValueError(f"{op}: x_sf must be None for a {jnp.dtype(x.dtype).name} x (scales belong to an FP8 x), got "
+                     f"{type(x_sf).__name__}")
+  group_sizes = _check_kmajor_group_sizes(op, group_sizes)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    return _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf)
+  return quantize_fp8_grouped_kmajor_reference(x, group_sizes, x_sf)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def dequantize_fp8_kmajor_reference(q_t: jax.Array, sf_t: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
+  """``float32(q_t) * scale`` of its 128x1 tile for q_t [C, P] and sf_t [P/128, C]: [C, P] `dtype`."""
+  c, p = q_t.shape
+  g = q_t.astype(jnp.float32).reshape(c, p // FP8_BLOCK, FP8_BLOCK) * sf_t.T[..., None]
+  return g.reshape(c, p).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
