@@ -1,5 +1,5 @@
-// grouped_gemm.cc -- handlers of jax_moe_a2a_grouped_gemm_fp8 and jax_moe_a2a_grouped_gemm_bf16 (CPU, and CUDA when
-// built with it).
+// grouped_gemm.cc -- handlers of jax_moe_a2a_grouped_gemm_fp8, jax_moe_a2a_grouped_gemm_fp8_wgrad and
+// jax_moe_a2a_grouped_gemm_bf16 (CPU, and CUDA when built with it).
 //
 // ── grouped_gemm_fp8 ──
 // D_g = A_g · B_gᵀ for every group g, A in E4M3 with one FP32 scale per 1x128 group of a row, B in E4M3 with one
@@ -14,6 +14,13 @@
 // Rows of d that no group owns are zero. `scratch` (uint8) is device scratch for the CUDA kernel, sized by
 // grouped_gemm_scratch_bytes(G) in the Python module; the CPU handler ignores it.
 //
+// ── grouped_gemm_fp8_wgrad ──
+// d[g] = A_g · B_gᵀ over group g's token columns, both operands K-major E4M3 as quant.quantize_fp8_grouped_kmajor
+// writes them: a_t [Na, P], b_t [Nb, P], scales a_sf_t [P/128, Na], b_sf_t [P/128, Nb] (one per 128 tokens x 1
+// row), group_sizes [G], d [G, Na, Nb] float32 or bfloat16. Group g contracts the columns [off_g, off_g + pad_g),
+// pad_g = round_up(size_g, 128), off_g the sum of the earlier pads, sizes clamped against R = P - 128 G (the
+// quantizer's round_up(M, 128)); a group with no rows gives zeros. Na, Nb positive multiples of 128.
+//
 // ── grouped_gemm_bf16 ──
 // bfloat16 operands, float32 accumulation, in three modes (attribute `mode`, grouped_gemm_bf16_kernels.cuh):
 //   0 (NT): a [M, K], b [G, N, K], d [M, N] bf16: d_g = a_g · b_gᵀ   (the forward product)
@@ -21,6 +28,7 @@
 //   2 (TN): a [M, K], b [M, N],    d [G, K, N] f32 or bf16: d[g] = a_gᵀ · b_g (the weight gradient)
 // Rows of a (and of b in mode 2) are grouped as in the contiguous FP8 layout; rows of d no group owns, and d[g] of a
 // group that owns no rows, are zero. K and N must be positive multiples of 8 (16-byte rows).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +43,7 @@
 #ifdef JAX_MOE_A2A_WITH_CUDA
 #include "grouped_gemm_bf16_kernels.cuh"
 #include "grouped_gemm_kernels.cuh"
+#include "grouped_gemm_wgrad_kernels.cuh"
 #endif
 
 namespace jax_moe_a2a {
@@ -43,6 +52,7 @@ namespace {
 
 constexpr char kOp[] = "jax_moe_a2a_grouped_gemm_fp8";
 constexpr char kOpBf16[] = "jax_moe_a2a_grouped_gemm_bf16";
+constexpr char kOpWgrad[] = "jax_moe_a2a_grouped_gemm_fp8_wgrad";
 constexpr int64_t kBlock = 128;
 constexpr int64_t kMaxGroups = 65535;  // the zero-fill kernel's grid.y in the masked layout
 
@@ -242,6 +252,145 @@ ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
 }
 #endif
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// grouped_gemm_fp8_wgrad: checks (shared by both platforms) and CPU
+// ---------------------------------------------------------------------------------------------------------------
+
+struct WgradShape {
+  int64_t groups = 0, na = 0, nb = 0, p = 0;
+};
+
+ffi::Error CheckWgrad(const ffi::AnyBuffer& a_t, const ffi::Buffer<ffi::F32>& a_sf_t, const ffi::AnyBuffer& b_t,
+                      const ffi::Buffer<ffi::F32>& b_sf_t, const ffi::Buffer<ffi::S32>& group_sizes,
+                      const ffi::Result<ffi::AnyBuffer>& d, WgradShape* s) {
+  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"a_t", &a_t}, {"b_t", &b_t}}) {
+    if (buf->element_type() != ffi::DataType::F8E4M3FN) {
+      return InvalidArg(kOpWgrad, name, "float8_e4m3fn", DataTypeName(buf->element_type()));
+    }
+    const auto dims = buf->dimensions();
+    if (dims.size() != 2 || dims[0] <= 0 || dims[0] % kBlock) {
+      return InvalidArg(kOpWgrad, name, "[N, P] with N a positive multiple of 128", DimsToString(dims));
+    }
+  }
+  const auto g_dims = group_sizes.dimensions();
+  if (g_dims.size() != 1 || g_dims[0] < 1 || g_dims[0] > kMaxGroups) {
+    return InvalidArg(kOpWgrad, "group_sizes", "[G] with 1 <= G <= 65535", DimsToString(g_dims));
+  }
+  s->groups = g_dims[0];
+  s->na = a_t.dimensions()[0];
+  s->p = a_t.dimensions()[1];
+  s->nb = b_t.dimensions()[0];
+  if (s->p % kBlock || s->p < kBlock * s->groups) {
+    return InvalidArg(kOpWgrad, "a_t", "[Na, P] with P a multiple of 128 and P >= 128 * G = " +
+                                           std::to_string(kBlock * s->groups), DimsToString(a_t.dimensions()));
+  }
+  if (b_t.dimensions()[1] != s->p) {
+    return InvalidArg(kOpWgrad, "b_t", "[Nb, P] with P = " + std::to_string(s->p), DimsToString(b_t.dimensions()));
+  }
+  if (!HasDims(a_sf_t, {s->p / kBlock, s->na})) {
+    return InvalidArg(kOpWgrad, "a_sf_t", Dims({s->p / kBlock, s->na}), DimsToString(a_sf_t.dimensions()));
+  }
+  if (!HasDims(b_sf_t, {s->p / kBlock, s->nb})) {
+    return InvalidArg(kOpWgrad, "b_sf_t", Dims({s->p / kBlock, s->nb}), DimsToString(b_sf_t.dimensions()));
+  }
+  const ffi::DataType d_type = d->element_type();
+  if (d_type != ffi::DataType::F32 && d_type != ffi::DataType::BF16) {
+    return InvalidArg(kOpWgrad, "d", "float32 or bfloat16", DataTypeName(d_type));
+  }
+  if (!HasDims(*d, {s->groups, s->na, s->nb})) {
+    return InvalidArg(kOpWgrad, "d", Dims({s->groups, s->na, s->nb}), DimsToString(d->dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// The operand [n, P] dequantized over the columns [off, off + len): out[i * len + k] = code * scale of its 128x1 tile.
+void DequantizeKmajor(const uint8_t* q, const float* sf, int64_t n, int64_t p, int64_t off, int64_t len,
+                      const E4m3Table& table, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(n * len));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k = 0; k < len; ++k) {
+      (*out)[i * len + k] = table.value[q[i * p + off + k]] * sf[((off + k) / kBlock) * n + i];
+    }
+  }
+}
+
+ffi::Error GroupedGemmFp8WgradCpuImpl(ffi::AnyBuffer a_t, ffi::Buffer<ffi::F32> a_sf_t, ffi::AnyBuffer b_t,
+                                      ffi::Buffer<ffi::F32> b_sf_t, ffi::Buffer<ffi::S32> group_sizes,
+                                      ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::Buffer<ffi::U8>> scratch) {
+  (void)scratch;
+  WgradShape s;
+  if (auto err = CheckWgrad(a_t, a_sf_t, b_t, b_sf_t, group_sizes, d, &s); err.failure()) return err;
+  static const E4m3Table table;
+  const auto* a_q = static_cast<const uint8_t*>(a_t.untyped_data());
+  const auto* b_q = static_cast<const uint8_t*>(b_t.untyped_data());
+  const int32_t* sizes = group_sizes.typed_data();
+  const int64_t rows = s.p - kBlock * s.groups;  // the quantizer's round_up(M, 128)
+  const bool f32_out = d->element_type() == ffi::DataType::F32;
+  std::vector<float> a, b, dg(static_cast<size_t>(s.na * s.nb));
+  int64_t start = 0, off = 0;
+  for (int64_t g = 0; g < s.groups; ++g) {
+    const int64_t size = std::min<int64_t>(sizes[g] > 0 ? sizes[g] : 0, rows - start);
+    const int64_t len = (size + kBlock - 1) / kBlock * kBlock;
+    std::fill(dg.begin(), dg.end(), 0.0f);
+    if (len > 0) {
+      DequantizeKmajor(a_q, a_sf_t.typed_data(), s.na, s.p, off, len, table, &a);
+      DequantizeKmajor(b_q, b_sf_t.typed_data(), s.nb, s.p, off, len, table, &b);
+      for (int64_t i = 0; i < s.na; ++i) {
+        const float* ai = a.data() + i * len;
+        for (int64_t j = 0; j < s.nb; ++j) {
+          // Eight interleaved float32 partial sums (len % 128 == 0): the loop vectorizes without reassociation.
+          const float* bj = b.data() + j * len;
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int64_t k = 0; k < len; k += 8) {
+            for (int u = 0; u < 8; ++u) acc[u] += ai[k + u] * bj[k + u];
+          }
+          dg[i * s.nb + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        }
+      }
+    }
+    if (f32_out) {
+      std::memcpy(static_cast<float*>(d->untyped_data()) + g * s.na * s.nb, dg.data(), dg.size() * sizeof(float));
+    } else {
+      auto* dst = static_cast<uint16_t*>(d->untyped_data()) + g * s.na * s.nb;
+      for (size_t i = 0; i < dg.size(); ++i) dst[i] = FloatToBf16(dg[i]);
+    }
+    start += size;
+    off += len;
+  }
+  return ffi::Error::Success();
+}
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+ffi::Error GroupedGemmFp8WgradCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a_t,
+                                       ffi::Buffer<ffi::F32> a_sf_t, ffi::AnyBuffer b_t, ffi::Buffer<ffi::F32> b_sf_t,
+                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d,
+                                       ffi::Result<ffi::Buffer<ffi::U8>> scratch) {
+  WgradShape s;
+  if (auto err = CheckWgrad(a_t, a_sf_t, b_t, b_sf_t, group_sizes, d, &s); err.failure()) return err;
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
+  int sm_count = 0;
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  GroupedGemmFp8WgradArgs args;
+  args.a_t = static_cast<const uint8_t*>(a_t.untyped_data());
+  args.a_sf_t = a_sf_t.typed_data();
+  args.b_t = static_cast<const uint8_t*>(b_t.untyped_data());
+  args.b_sf_t = b_sf_t.typed_data();
+  args.group_sizes = group_sizes.typed_data();
+  args.d = d->untyped_data();
+  args.d_bf16 = d->element_type() == ffi::DataType::BF16;
+  args.num_groups = s.groups;
+  args.na = s.na;
+  args.nb = s.nb;
+  args.p = s.p;
+  args.scratch = scratch->untyped_data();
+  args.scratch_bytes = static_cast<size_t>(scratch->element_count());
+  const std::string error = LaunchGroupedGemmFp8Wgrad(stream, sm_count, args);
+  if (!error.empty()) return ffi::Error::Internal(std::string(kOpWgrad) + ": " + error);
+  return ffi::Error::Success();
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------------------
 // grouped_gemm_bf16: checks (shared by both platforms)
@@ -466,6 +615,27 @@ size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_o
 #endif
 }
 
+// Scratch bytes of the CUDA grouped_gemm_fp8_wgrad handler for `num_groups` groups on any visible GPU; 0 without one.
+size_t GroupedGemmFp8WgradScratchBytes(int64_t num_groups) {
+#ifdef JAX_MOE_A2A_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  size_t bytes = 0;
+  for (int dev = 0; dev < count; ++dev) {
+    int sm_count = 0;
+    if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) continue;
+    bytes = std::max(bytes, GroupedGemmFp8WgradScratchBytesFor(num_groups, sm_count));
+  }
+  return bytes;
+#else
+  (void)num_groups;
+  return 0;
+#endif
+}
+
 }  // namespace jax_moe_a2a
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu, jax_moe_a2a::GroupedGemmFp8CpuImpl,
@@ -515,5 +685,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cuda, jax_moe_a2a::Grouped
                                   .Ret<xla::ffi::AnyBuffer>()                     // d
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()          // scratch
                                   .Attr<int32_t>("mode"),                         // mode
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8WgradCpu, jax_moe_a2a::GroupedGemmFp8WgradCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // a_t
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // a_sf_t
+                                  .Arg<xla::ffi::AnyBuffer>()                  // b_t
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // b_sf_t
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()                  // d
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>());     // scratch
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8WgradCuda, jax_moe_a2a::GroupedGemmFp8WgradCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // a_t
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // a_sf_t
+                                  .Arg<xla::ffi::AnyBuffer>()                     // b_t
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // b_sf_t
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()                     // d
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),         // scratch
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif

@@ -10,9 +10,11 @@
 // By op: quant.cc, a2a.cc, grouped_gemm.cc, rows.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8WgradCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCpu);
@@ -20,9 +22,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCpu);
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8WgradCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmBf16Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGatherRowsCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aScatterRowsCuda);
@@ -34,5 +38,8 @@ namespace jax_moe_a2a {
 
 // Bytes of device scratch the grouped GEMM call of `num_groups` groups needs (grouped_gemm.cc).
 size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_out);
+
+// Bytes of device scratch the grouped_gemm_fp8_wgrad call of `num_groups` groups needs (grouped_gemm.cc).
+size_t GroupedGemmFp8WgradScratchBytes(int64_t num_groups);
 
 }  // namespace jax_moe_a2a

@@ -38,9 +38,11 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         py::dict cpu;
         cpu["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCpu);
         cpu["jax_moe_a2a_quantize_fp8_weight"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightCpu);
+        cpu["jax_moe_a2a_quantize_fp8_grouped_kmajor"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8GroupedKmajorCpu);
         cpu["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCpu);
         cpu["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCpu);
         cpu["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cpu);
+        cpu["jax_moe_a2a_grouped_gemm_fp8_wgrad"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8WgradCpu);
         cpu["jax_moe_a2a_grouped_gemm_bf16"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmBf16Cpu);
         cpu["jax_moe_a2a_gather_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aGatherRowsCpu);
         cpu["jax_moe_a2a_scatter_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aScatterRowsCpu);
@@ -50,9 +52,11 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         py::dict cuda;
         cuda["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCuda);
         cuda["jax_moe_a2a_quantize_fp8_weight"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightCuda);
+        cuda["jax_moe_a2a_quantize_fp8_grouped_kmajor"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8GroupedKmajorCuda);
         cuda["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCuda);
         cuda["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCuda);
         cuda["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cuda);
+        cuda["jax_moe_a2a_grouped_gemm_fp8_wgrad"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8WgradCuda);
         cuda["jax_moe_a2a_grouped_gemm_bf16"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmBf16Cuda);
         cuda["jax_moe_a2a_gather_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aGatherRowsCuda);
         cuda["jax_moe_a2a_scatter_rows"] = jax_moe_a2a::Capsule(JaxMoeA2aScatterRowsCuda);
@@ -136,6 +140,9 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8 call (bf16_mode < 0) or jax_moe_a2a_grouped_gemm_bf16 "
         "call in that mode (mode 2: float32 output when f32_out), with `num_groups` groups on any visible GPU "
         "(0 without a GPU or without the CUDA handlers).");
+  m.def("grouped_gemm_fp8_wgrad_scratch_bytes", &jax_moe_a2a::GroupedGemmFp8WgradScratchBytes, py::arg("num_groups"),
+        "Device scratch bytes of one jax_moe_a2a_grouped_gemm_fp8_wgrad call with `num_groups` groups on any visible "
+        "GPU (0 without a GPU or without the CUDA handlers).");
   m.attr("ffi_api_version") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   // The protocol's piece size and sender block bound, for the tests that layout.PIECE_BYTES and layout.SCAN_BLOCKS
   // size the ready and scan regions with the same values.

@@ -1,5 +1,6 @@
-// quant.cc -- handlers of jax_moe_a2a_quantize_fp8_blockwise (1x128 groups of activation rows) and
-// jax_moe_a2a_quantize_fp8_weight (128x128 blocks of weights), CPU, and CUDA when built with it.
+// quant.cc -- handlers of jax_moe_a2a_quantize_fp8_blockwise (1x128 groups of activation rows),
+// jax_moe_a2a_quantize_fp8_weight (128x128 blocks of weights) and jax_moe_a2a_quantize_fp8_grouped_kmajor (128x1
+// tiles of each group's tokens, transposed), CPU, and CUDA when built with it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,8 @@ namespace {
 
 constexpr char kOp[] = "jax_moe_a2a_quantize_fp8_blockwise";
 constexpr char kWeightOp[] = "jax_moe_a2a_quantize_fp8_weight";
+constexpr char kKmajorOp[] = "jax_moe_a2a_quantize_fp8_grouped_kmajor";
+constexpr int64_t kMaxKmajorGroups = 65535;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Shape and dtype checks (shared by both platforms)
@@ -101,6 +104,65 @@ ffi::Error CheckQuantizeWeight(const ffi::AnyBuffer& w, const ffi::Result<ffi::A
   if (!sf_ok) {
     return InvalidArg(kWeightOp, "w_sf", "[..., ceil(N/128), ceil(K/128)] = [..., " + std::to_string(nb) + ", " +
                                              std::to_string(kb) + "]", DimsToString(sf_dims));
+  }
+  return ffi::Error::Success();
+}
+
+// quantize_fp8_grouped_kmajor: x [M, C] (bfloat16, float16, float32, or E4M3 with x_sf [M, C/128]; otherwise x_sf
+// is [0]), group_sizes [G] -> q_t [C, P] E4M3, sf_t [P/128, C] float32, blocks [P/128, 2] int32 (per block of 128
+// columns: its first source row and how many rows it holds), P = GroupedKmajorLength(M, G).
+struct KmajorShape {
+  int64_t m = 0, c = 0, groups = 0, p = 0;
+  bool fp8 = false;
+};
+
+ffi::Error CheckQuantizeKmajor(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& x_sf,
+                               const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Result<ffi::AnyBuffer>& q_t,
+                               const ffi::Result<ffi::Buffer<ffi::F32>>& sf_t,
+                               const ffi::Result<ffi::Buffer<ffi::S32>>& blocks, KmajorShape* s) {
+  const auto dt = x.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32 &&
+      dt != ffi::DataType::F8E4M3FN) {
+    return InvalidArg(kKmajorOp, "x", "bfloat16, float16, float32 or float8_e4m3fn", DataTypeName(dt));
+  }
+  s->fp8 = dt == ffi::DataType::F8E4M3FN;
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] <= 0 || dims[1] % kGroup != 0 || dims[0] > 0x7FFFFFFF) {
+    return InvalidArg(kKmajorOp, "x", "[M, C] with C a positive multiple of 128 and M < 2^31", DimsToString(dims));
+  }
+  s->m = dims[0];
+  s->c = dims[1];
+  const auto sf_dims = x_sf.dimensions();
+  if (s->fp8 ? (sf_dims.size() != 2 || sf_dims[0] != s->m || sf_dims[1] != s->c / kGroup)
+             : (sf_dims.size() != 1 || sf_dims[0] != 0)) {
+    return InvalidArg(kKmajorOp, "x_sf", s->fp8 ? "[M, C/128] = [" + std::to_string(s->m) + ", " +
+                                                      std::to_string(s->c / kGroup) + "] (x is float8_e4m3fn)"
+                                                : std::string("[0] (x is not float8_e4m3fn)"),
+                      DimsToString(sf_dims));
+  }
+  const auto g_dims = group_sizes.dimensions();
+  if (g_dims.size() != 1 || g_dims[0] < 1 || g_dims[0] > kMaxKmajorGroups) {
+    return InvalidArg(kKmajorOp, "group_sizes", "[G] with 1 <= G <= 65535", DimsToString(g_dims));
+  }
+  s->groups = g_dims[0];
+  s->p = GroupedKmajorLength(s->m, s->groups);
+  if (q_t->element_type() != ffi::DataType::F8E4M3FN) {
+    return InvalidArg(kKmajorOp, "q_t", "float8_e4m3fn", DataTypeName(q_t->element_type()));
+  }
+  const auto q_dims = q_t->dimensions();
+  if (q_dims.size() != 2 || q_dims[0] != s->c || q_dims[1] != s->p) {
+    return InvalidArg(kKmajorOp, "q_t", "[C, P] = [" + std::to_string(s->c) + ", " + std::to_string(s->p) + "]",
+                      DimsToString(q_dims));
+  }
+  const auto t_dims = sf_t->dimensions();
+  if (t_dims.size() != 2 || t_dims[0] != s->p / kGroup || t_dims[1] != s->c) {
+    return InvalidArg(kKmajorOp, "sf_t", "[P/128, C] = [" + std::to_string(s->p / kGroup) + ", " +
+                                             std::to_string(s->c) + "]", DimsToString(t_dims));
+  }
+  const auto b_dims = blocks->dimensions();
+  if (b_dims.size() != 2 || b_dims[0] != s->p / kGroup || b_dims[1] != 2) {
+    return InvalidArg(kKmajorOp, "blocks", "[P/128, 2] = [" + std::to_string(s->p / kGroup) + ", 2]",
+                      DimsToString(b_dims));
   }
   return ffi::Error::Success();
 }
@@ -261,6 +323,82 @@ ffi::Error QuantizeFp8WeightCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// Per block j of 128 columns of the K-major layout: blocks[2j] = its first source row, blocks[2j + 1] = how many of
+// its columns hold rows (0: padding only). The device's setup kernel computes the same table.
+void GroupedKmajorBlocks(const int32_t* sizes, int64_t groups, int64_t rows, int64_t p, int32_t* blocks) {
+  std::memset(blocks, 0, static_cast<size_t>(p / kGroup) * 2 * sizeof(int32_t));
+  int64_t start = 0, block = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t size = std::min<int64_t>(std::max<int64_t>(sizes[g], 0), rows - start);
+    for (int64_t done = 0; done < size; done += kGroup, ++block) {
+      blocks[2 * block] = static_cast<int32_t>(start + done);
+      blocks[2 * block + 1] = static_cast<int32_t>(std::min<int64_t>(kGroup, size - done));
+    }
+    start += size;
+  }
+}
+
+// q_t and sf_t of the K-major layout from the rows read by load(row, column): each block of 128 columns and each
+// column c of x is one group of the rule (padding counts as 0 and stays code 0).
+template <typename Load>
+void QuantizeKmajorBlocks(Load load, const KmajorShape& s, const int32_t* blocks, uint8_t* q_t, float* sf_t) {
+  std::vector<float> rows(static_cast<size_t>(kGroup * s.c));
+  float v[kGroup];
+  uint8_t codes[kGroup];
+  for (int64_t j = 0; j < s.p / kGroup; ++j) {
+    const int64_t first = blocks[2 * j], count = blocks[2 * j + 1];
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t c = 0; c < s.c; ++c) rows[i * s.c + c] = load(first + i, c);
+    }
+    for (int64_t c = 0; c < s.c; ++c) {
+      for (int64_t i = 0; i < kGroup; ++i) v[i] = i < count ? rows[i * s.c + c] : 0.0f;
+      sf_t[j * s.c + c] = EncodeGroup(v, kGroup, codes);
+      std::memset(codes + count, 0, static_cast<size_t>(kGroup - count));
+      std::memcpy(q_t + c * s.p + j * kGroup, codes, kGroup);
+    }
+  }
+}
+
+ffi::Error QuantizeFp8GroupedKmajorCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_sf,
+                                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
+                                           ffi::Result<ffi::Buffer<ffi::F32>> sf_t,
+                                           ffi::Result<ffi::Buffer<ffi::S32>> blocks) {
+  KmajorShape s;
+  if (auto err = CheckQuantizeKmajor(x, x_sf, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
+  int32_t* table = blocks->typed_data();
+  GroupedKmajorBlocks(group_sizes.typed_data(), s.groups, s.m, s.p, table);
+  auto* q = reinterpret_cast<uint8_t*>(q_t->untyped_data());
+  float* sf = sf_t->typed_data();
+  const int64_t c = s.c;
+  switch (x.element_type()) {
+    case ffi::DataType::BF16: {
+      const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
+      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return Bf16BitsToFloat(p[r * c + k]); }, s, table, q, sf);
+      break;
+    }
+    case ffi::DataType::F16: {
+      const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
+      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return F16ToFloat(p[r * c + k]); }, s, table, q, sf);
+      break;
+    }
+    case ffi::DataType::F32: {
+      const auto* p = reinterpret_cast<const float*>(x.untyped_data());
+      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return p[r * c + k]; }, s, table, q, sf);
+      break;
+    }
+    default: {  // E4M3 codes, decoded with their 1x128 scales: code * scale in float32
+      const auto* p = reinterpret_cast<const uint8_t*>(x.untyped_data());
+      const float* scale = x_sf.typed_data();
+      const int64_t groups_per_row = c / kGroup;
+      QuantizeKmajorBlocks([p, c, scale, groups_per_row](int64_t r, int64_t k) {
+        return E4m3ToFloat(p[r * c + k]) * scale[r * groups_per_row + k / kGroup];
+      }, s, table, q, sf);
+      break;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // CUDA
 // ---------------------------------------------------------------------------------------------------------------
@@ -301,6 +439,22 @@ ffi::Error QuantizeFp8WeightCudaImpl(cudaStream_t stream, int32_t device, ffi::A
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8Weight(stream, type, w.untyped_data(),
                                                            reinterpret_cast<uint8_t*>(w_q->untyped_data()),
                                                            w_sf->typed_data(), s.batch, s.n, s.k));
+  return ffi::Error::Success();
+}
+ffi::Error QuantizeFp8GroupedKmajorCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                            ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> group_sizes,
+                                            ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> sf_t,
+                                            ffi::Result<ffi::Buffer<ffi::S32>> blocks) {
+  KmajorShape s;
+  if (auto err = CheckQuantizeKmajor(x, x_sf, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
+  InputType type = InputType::kF32;
+  if (x.element_type() == ffi::DataType::BF16) type = InputType::kBF16;
+  if (x.element_type() == ffi::DataType::F16) type = InputType::kF16;
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8GroupedKmajor(
+      stream, type, x.untyped_data(), s.fp8 ? x_sf.typed_data() : nullptr, group_sizes.typed_data(), s.groups,
+      reinterpret_cast<uint8_t*>(q_t->untyped_data()), sf_t->typed_data(), blocks->typed_data(), s.m, s.c));
   return ffi::Error::Success();
 }
 #endif
@@ -344,5 +498,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda, jax_moe_a2a::Quant
                                   .Arg<xla::ffi::AnyBuffer>()                     // w
                                   .Ret<xla::ffi::AnyBuffer>()                     // w_q
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),        // w_sf
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCpu, jax_moe_a2a::QuantizeFp8GroupedKmajorCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // x_sf ([0] unless x is E4M3)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()                  // q_t
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // sf_t
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());    // blocks
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda, jax_moe_a2a::QuantizeFp8GroupedKmajorCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // x_sf
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()                     // q_t
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // sf_t
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),        // blocks
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif

@@ -69,4 +69,26 @@ inline uint8_t FloatToE4m3(float f) {
   return static_cast<uint8_t>(sign | code);
 }
 
+// E4M3 (fn) byte -> float32, exact (host; the CUDA kernel uses the hardware conversion, also exact): 1 sign, 4
+// exponent (bias 7), 3 mantissa bits, no infinities, NaN 0x7F/0xFF.
+inline float E4m3ToFloat(uint8_t byte) {
+  const int exp = (byte >> 3) & 0xF, mant = byte & 0x7;
+  float v;
+  if (exp == 0xF && mant == 0x7) {
+    v = std::nanf("");
+  } else if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
+  } else {
+    v = std::ldexp(1.0f + mant / 8.0f, exp - 7);
+  }
+  return (byte & 0x80) ? -v : v;
+}
+
+// Grouped K-major layout (quant.quantize_fp8_grouped_kmajor): rows sorted by group, group g's rows clamped as the
+// contiguous grouped GEMM clamps them (sizes to >= 0, the running total saturating at the row count), each group
+// padded to a multiple of kGroup tokens. P = round_up(rows, 128) + 128 * groups holds every group.
+inline int64_t GroupedKmajorLength(int64_t rows, int64_t groups) {
+  return (rows + kGroup - 1) / kGroup * kGroup + kGroup * groups;
+}
+
 }  // namespace jax_moe_a2a

@@ -11,6 +11,11 @@
 //     with the neighbouring rows' stores of the next blocks.
 //   - Each thread keeps kManyUnroll independent 16-byte loads in flight before it computes (fewer when there are few
 //     groups, so they spread over more warps).
+//   - Grouped K-major (128 tokens of a group x 1 column): a setup launch turns group_sizes into a table of 128-row
+//     blocks (first row, rows), one block of threads with a running prefix sum; then one thread block per 128-row
+//     block and 64 columns: warp w reads rows 16w..16w+15, each lane two adjacent columns (one 128-byte line per
+//     warp and row for 2-byte inputs), the column amax is reduced over the warps in shared memory, and each lane
+//     stores its 16 codes of each column as one 16-byte piece of a q_t row. Every input byte is read once.
 //   - 128x128 weight blocks: one thread block per tile; each thread loads its 16-byte pieces of the tile's rows,
 //     the tile's amax is reduced over the warp and then the block (shared memory), and each thread encodes and
 //     stores its own pieces: one read of the weights, one write of the codes.
@@ -20,6 +25,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include <cub/block/block_scan.cuh>
 
 #include "device_io.cuh"
 #include "quant.h"
@@ -298,6 +306,160 @@ cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped K-major: 128 tokens of one group x 1 column
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int kKmajorThreads = 256;
+constexpr int kKmajorCols = 64;                                      // columns per thread block
+constexpr int kKmajorRowsPerWarp = kGroup / (kKmajorThreads / 32);  // 16
+
+// One block: blocks[j] = {first source row, rows} of every 128-column block j of the layout, {0, 0} past the last
+// group. Sizes are clamped as quant._clamped_groups: the start of g is min(prefix, rows), its size min(size, rows -
+// start); prefix sums are int64 (at most 65535 int32 values, no overflow).
+__global__ void __launch_bounds__(kKmajorThreads) KmajorBlocksKernel(const int32_t* __restrict__ sizes,
+                                                                     int64_t num_groups, int64_t rows,
+                                                                     int64_t num_blocks, int2* __restrict__ blocks) {
+  using Scan = cub::BlockScan<int64_t, kKmajorThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int64_t base_rows, base_blocks;
+  if (threadIdx.x == 0) {
+    base_rows = 0;
+    base_blocks = 0;
+  }
+  __syncthreads();
+  for (int64_t first = 0; first < num_groups; first += kKmajorThreads) {
+    const int64_t g = first + threadIdx.x;
+    const int64_t requested = g < num_groups ? max(sizes[g], 0) : 0;
+    int64_t rows_before = 0, rows_total = 0;
+    Scan(storage).ExclusiveSum(requested, rows_before, rows_total);
+    const int64_t start = min(base_rows + rows_before, rows);
+    const int64_t size = min(requested, rows - start);
+    const int64_t count = (size + kGroup - 1) / kGroup;
+    __syncthreads();  // the scan storage is used again
+    int64_t blocks_before = 0, blocks_total = 0;
+    Scan(storage).ExclusiveSum(count, blocks_before, blocks_total);
+    int2* out = blocks + base_blocks + blocks_before;
+    for (int64_t b = 0; b < count; ++b) {
+      out[b] = make_int2(static_cast<int>(start + b * kGroup), static_cast<int>(min(static_cast<int64_t>(kGroup), size - b * kGroup)));
+    }
+    __syncthreads();  // everyone has read the bases
+    if (threadIdx.x == 0) {
+      base_rows += rows_total;
+      base_blocks += blocks_total;
+    }
+    __syncthreads();
+  }
+  for (int64_t j = base_blocks + threadIdx.x; j < num_blocks; j += kKmajorThreads) blocks[j] = make_int2(0, 0);
+}
+
+// Two adjacent columns of one row as float32 (E4M3 codes: decoded and multiplied by their 1x128 scale).
+template <typename T>
+__device__ __forceinline__ float2 LoadPair(const T* p);
+
+template <>
+__device__ __forceinline__ float2 LoadPair<__nv_bfloat16>(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+template <>
+__device__ __forceinline__ float2 LoadPair<__half>(const __half* p) {
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+
+template <>
+__device__ __forceinline__ float2 LoadPair<float>(const float* p) {
+  return *reinterpret_cast<const float2*>(p);
+}
+
+template <>
+__device__ __forceinline__ float2 LoadPair<uint8_t>(const uint8_t* p) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(*reinterpret_cast<const __nv_fp8x2_storage_t*>(p), __NV_E4M3);
+  return __half22float2(__half2(h));  // exact, NaN stays NaN
+}
+
+// Grid (p/128, c/64); thread (lane, warp): columns c0 = 64 * blockIdx.y + 2 * lane and c0 + 1, rows 16 * warp ..
+// + 15 of block blockIdx.x. T is the element type of x (uint8_t: E4M3 codes with x_sf).
+template <typename T>
+__global__ void __launch_bounds__(kKmajorThreads) QuantizeKmajorKernel(const T* __restrict__ x,
+                                                                       const float* __restrict__ x_sf,
+                                                                       const int2* __restrict__ blocks,
+                                                                       uint8_t* __restrict__ q_t,
+                                                                       float* __restrict__ sf_t, int64_t c,
+                                                                       int64_t p) {
+  constexpr int kRows = kKmajorRowsPerWarp;
+  constexpr int kWarps = kKmajorThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t block = blockIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kKmajorCols + 2 * lane;
+  const int2 range = blocks[block];  // first source row, rows
+  const int row0 = warp * kRows;
+
+  float2 v[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int r = row0 + i;
+    v[i] = r < range.y ? LoadPair<T>(x + (static_cast<int64_t>(range.x) + r) * c + c0) : make_float2(0.0f, 0.0f);
+  }
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    const int64_t groups_per_row = c / kGroup;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = row0 + i;
+      if (r < range.y) {
+        const float s = x_sf[(static_cast<int64_t>(range.x) + r) * groups_per_row + c0 / kGroup];
+        v[i].x = __fmul_rn(v[i].x, s);
+        v[i].y = __fmul_rn(v[i].y, s);
+      }
+    }
+  }
+
+  float amax0 = 0.0f, amax1 = 0.0f;
+  int finite0 = 1, finite1 = 1;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    amax0 = fmaxf(amax0, fabsf(v[i].x));
+    amax1 = fmaxf(amax1, fabsf(v[i].y));
+    finite0 &= isfinite(v[i].x) ? 1 : 0;
+    finite1 &= isfinite(v[i].y) ? 1 : 0;
+  }
+  __shared__ float2 warp_amax[kWarps][32];
+  __shared__ int2 warp_finite[kWarps][32];
+  warp_amax[warp][lane] = make_float2(amax0, amax1);
+  warp_finite[warp][lane] = make_int2(finite0, finite1);
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float2 a = warp_amax[w][lane];
+    const int2 f = warp_finite[w][lane];
+    amax0 = fmaxf(amax0, a.x);
+    amax1 = fmaxf(amax1, a.y);
+    finite0 &= f.x;
+    finite1 &= f.y;
+  }
+
+  float col[kRows];
+  uint8_t bytes[kRows];
+  float2 scale;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) col[i] = half ? v[i].y : v[i].x;
+    const float s = EncodePiece<kRows>(col, half ? amax1 : amax0, half ? finite1 : finite0, bytes);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      if (row0 + i >= range.y) bytes[i] = 0;  // padding stays code 0, also in a NaN block
+    }
+    *reinterpret_cast<uint4*>(q_t + (c0 + half) * p + block * kGroup + row0) = *reinterpret_cast<const uint4*>(bytes);
+    if (half) {
+      scale.y = s;
+    } else {
+      scale.x = s;
+    }
+  }
+  if (warp == 0) *reinterpret_cast<float2*>(sf_t + block * c + c0) = scale;
+}
+
 // Calls fn with a value of the element type `type` names (its type picks the kernel instantiation).
 template <typename Fn>
 cudaError_t WithInputType(InputType type, Fn fn) {
@@ -329,6 +491,31 @@ cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const v
   }
   return WithInputType(type, [&](auto tag) {
     return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, batch, n, k);
+  });
+}
+
+cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, const void* x, const float* x_sf,
+                                           const int32_t* group_sizes, int64_t num_groups, uint8_t* q_t,
+                                           float* sf_t, int32_t* blocks, int64_t m, int64_t c) {
+  const int64_t p = GroupedKmajorLength(m, num_groups);
+  const int64_t num_blocks = p / kGroup;
+  if (c % kGroup != 0 || c / kKmajorCols > 65535 || num_blocks > 0x7FFFFFFF || m > 0x7FFFFFFF) {
+    return cudaErrorInvalidValue;
+  }
+  auto* table = reinterpret_cast<int2*>(blocks);
+  KmajorBlocksKernel<<<1, kKmajorThreads, 0, stream>>>(group_sizes, num_groups, m, num_blocks, table);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / kKmajorCols));
+  if (x_sf != nullptr) {
+    QuantizeKmajorKernel<uint8_t><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const uint8_t*>(x), x_sf, table,
+                                                                       q_t, sf_t, c, p);
+    return cudaGetLastError();
+  }
+  return WithInputType(type, [&](auto tag) {
+    using T = decltype(tag);
+    QuantizeKmajorKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), nullptr, table, q_t, sf_t,
+                                                                 c, p);
+    return cudaGetLastError();
   });
 }
 
