@@ -15,6 +15,9 @@ Methods:
   fp8_dequant_bf16 dequantize the FP8 operands to bfloat16, then the batched einsum
   fp8_batched_pt   batched FP8 dot_general with per-tensor scales (cuBLASLt), bfloat16 output
   fp8_dense_pt     one dense FP8 dot_general [G*rows, K] x [K, N] with per-tensor scales: same FLOPs, no groups
+  fp8_wgrad        jax_moe_a2a_grouped_gemm_fp8_wgrad: the weight gradient dW[g] = dy_g^T x_g [G, N, K] float32
+                   from dy [G*rows, N] and x [G*rows, K] in K-major 128x1 FP8 (quant.quantize_fp8_grouped_kmajor,
+                   outside the timed region); the same 2 * rows * N * K FLOPs per group
 
   python bench/bench_gemm.py [--groups 32 8] [--rows 128 512 1024 4096] [--methods ...] [--out DIR]
   python bench/bench_gemm.py --plot bench/results/gemm_<date>.json     (plot a result file)
@@ -38,7 +41,7 @@ from common import plot_if_possible, positive_int, save_plot, time_per_call, wri
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
 METHODS = ("fp8_contiguous", "fp8_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_mgpu",
-           "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt")
+           "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt", "fp8_wgrad")
 SHAPES = ((4096, 7168), (7168, 2048))  # (N, K): gate/up-like and down-like projections of DeepSeek-V3
 MGPU_CONFIGS = (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
                 dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1),
@@ -51,8 +54,9 @@ def _fp8_per_tensor(x):
   return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
 
 
-def _inputs(key, g, rows, n, k, calls):
-  """Activations (calls distinct sets) and weights for every method, prepared outside the timed region."""
+def _inputs(key, g, rows, n, k, calls, wgrad=False):
+  """Activations (calls distinct sets) and weights for every method, prepared outside the timed region; with
+  `wgrad`, also the K-major operands of fp8_wgrad (dy [G*rows, N] and x)."""
   kw, kx = jax.random.split(key)
   w = jax.random.normal(kw, (g, n, k), jnp.float32) * 0.02
   b, b_sf = quant.quantize_fp8_weight(w)
@@ -66,6 +70,10 @@ def _inputs(key, g, rows, n, k, calls):
     a, a_sf = quant.quantize_fp8_blockwise(x)
     xq, xs = _fp8_per_tensor(x)
     acts.append(dict(x=x, a=a, a_sf=a_sf, xq=xq, xs=xs))
+    if wgrad:
+      sizes = jnp.full((g,), rows, jnp.int32)
+      dy = jax.random.normal(jax.random.fold_in(kx, calls + i), (g * rows, n), jnp.bfloat16)
+      acts[-1]["wgrad"] = (*quant.quantize_fp8_grouped_kmajor(dy, sizes), *quant.quantize_fp8_grouped_kmajor(x, sizes))
   del w
   return dict(b=b, b_sf=b_sf, wb=wb, wb_kn=wb_kn, wq=wq, ws=ws, wq_dense=wq_dense, ws_dense=ws_dense), acts
 
@@ -99,6 +107,8 @@ def _one(method, g, rows, n, k, wts, act, sizes, mgpu_config=None):
   if method == "fp8_dense_pt":
     y = jax.lax.dot_general(act["xq"], wts["wq_dense"], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return (y * (act["xs"] * wts["ws_dense"])).astype(jnp.bfloat16)
+  if method == "fp8_wgrad":
+    return grouped_gemm.grouped_gemm_fp8_wgrad(*act["wgrad"], sizes, impl="ffi")
   raise ValueError(method)
 
 
@@ -201,7 +211,8 @@ def _run(args, results, checks, failed):
       for rows in args.rows:
         flops = 2.0 * g * rows * n * k
         sizes = jnp.full((g,), rows, jnp.int32)
-        sets = [_inputs(jax.random.key(1000 * s + g + rows), g, rows, n, k, args.calls) for s in range(2)]
+        sets = [_inputs(jax.random.key(1000 * s + g + rows), g, rows, n, k, args.calls, "fp8_wgrad" in args.methods)
+                for s in range(2)]
         diffs = _check(g, rows, n, k, sets[0][0], sets[0][1][0], sizes)
         checks.append({"n": n, "k": k, "groups": g, "rows_per_group": rows, "calc_diff": diffs})
         for method in args.methods:

@@ -3,6 +3,9 @@
 Bytes moved = x read (2 bytes/value for bf16) + x_q written (1 byte/value) + scales written (4 bytes per 128
 values). The copy ceiling of an H200 is about 4.3 TB/s (read + write).
 
+Layout "kmajor G<g>": `quant.quantize_fp8_grouped_kmajor` of --groups equal groups (the weight gradient's
+operands): x read once, q_t [K, P] and sf_t [P/128, K] written, P = round_up(M, 128) + 128 G (padding included).
+
   python bench/bench_quant.py [--m 16384] [--k 7168] [--out DIR]
 """
 
@@ -25,6 +28,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=positive_int, nargs="+", default=[1024, 4096, 16384], help="rows (tokens)")
   p.add_argument("--k", type=int_in(128, multiple_of=128), default=7168, help="hidden size, a multiple of 128")
+  p.add_argument("--groups", type=positive_int, default=32, help="groups of the K-major layout (M split evenly)")
   p.add_argument("--calls", type=positive_int, default=16, help="calls per jitted run (distinct inputs)")
   p.add_argument("--runs", type=positive_int, default=40, help="timed runs; the median is reported")
   p.add_argument("--repeats", type=positive_int, default=2,
@@ -53,6 +57,20 @@ def main(argv=None) -> int:
           rows.append({"m": m, "k": k, "block_major_k": block_major_k, "impl": impl, "repeat": repeat,
                        "bytes": nbytes, "gb_per_s": gbps, **t})
           print(f"{m:>6} {k:>6} {layout:>11} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}", flush=True)
+    g = args.groups
+    sizes = jnp.full((g,), m // g, jnp.int32).at[-1].add(m % g)
+    p_len = quant.grouped_kmajor_length(m, g)
+    kbytes = m * k * 2 + k * p_len + (p_len // 128) * k * 4
+    fns = {impl: jax.jit(lambda *xs, impl=impl: [quant.quantize_fp8_grouped_kmajor(x, sizes, impl=impl) for x in xs])
+           for impl in ("ffi", "reference")}
+    for repeat in range(args.repeats):
+      for impl, fn in fns.items():
+        t = time_per_call(fn, sets, calls_per_run=args.calls, runs=args.runs, warmup=10)
+        gbps = kbytes / t["median_s"] / 1e9
+        rows.append({"m": m, "k": k, "grouped_kmajor_groups": g, "impl": impl, "repeat": repeat, "bytes": kbytes,
+                     "gb_per_s": gbps, **t})
+        print(f"{m:>6} {k:>6} {'kmajor G' + str(g):>11} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}",
+              flush=True)
     del sets
   path = write_result("quant_fp8_blockwise", {"unit": "GB/s (bytes read + written / median time)",
                                               "rows": rows}, args.out)
