@@ -17,8 +17,9 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
   twin           the layer with every op on its pure-JAX twin (impl="reference"; bf16 experts)
   bf16           bf16 experts (the default path: the bf16 grouped GEMMs on GPUs), bf16 wire
   fp8            FP8 experts from the bf16 master weights (gemm_impl="ffi"), fp8_blockwise wire
-  fp8_fp8bwd     the same with the FP8 backward (MoEConfig.expert_backward="fp8": FP8 data gradients, the gate/up
-                 rows kept in FP8)
+  fp8_dgrad      the same with FP8 data gradients (MoEConfig.expert_backward="fp8_dgrad": the gate/up rows kept
+                 in FP8, the weight gradients on bf16 GEMMs)
+  fp8_fp8bwd     the same with DeepSeek-V3's whole FP8 backward (expert_backward="fp8": FP8 weight gradients too)
   fp8_bf16wire   the same on a bf16 wire
   fp8_stored     stored FP8 weights (inference; forward only), fp8_blockwise wire
   <variant>_ws   the same with a one-sided workspace (moe.make_workspace(training=True))
@@ -61,7 +62,7 @@ from common import (GpuClocks, plot_if_possible, positive_int, save_plot, time_p
 from jax_moe_a2a import moe  # noqa: E402
 from jax_moe_a2a.testing import calc_diff  # noqa: E402
 
-BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_fp8bwd", "fp8_bf16wire", "fp8_stored")
+BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_dgrad", "fp8_fp8bwd", "fp8_bf16wire", "fp8_stored")
 VARIANTS = BASE_VARIANTS + tuple(v + "_ws" for v in BASE_VARIANTS[2:])
 VARIANTS += tuple(v + "_2l" for v in VARIANTS[1:])
 DEFAULT_VARIANTS = ("einsum", "twin", "bf16", "bf16_ws", "fp8", "fp8_ws", "fp8_stored", "fp8_stored_ws")
@@ -86,7 +87,7 @@ def _config(variant: str, args) -> moe.MoEConfig:
       wire_format="bf16" if base in ("bf16", "twin", "fp8_bf16wire") else "fp8_blockwise",
       fp8_weights=base == "fp8_stored", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
       impl="reference" if base == "twin" else "auto", gemm_impl="ffi" if fp8 else None,
-      expert_backward="fp8" if base == "fp8_fp8bwd" else "bf16")
+      expert_backward={"fp8_fp8bwd": "fp8", "fp8_dgrad": "fp8_dgrad"}.get(base, "bf16"))
 
 
 def _layer_fns(variant: str, args, mesh, tokens: int):

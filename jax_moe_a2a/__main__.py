@@ -168,9 +168,9 @@ def _check_demo(args: argparse.Namespace) -> None:
   if args.top_k > args.experts:
     raise _OptionError("--top-k", f"must be <= --experts ({args.experts}), got {args.top_k}")
   _check_hidden_fits(args.hidden, args.wire)
-  if args.expert_backward == "fp8" and args.gemm == "dtype":
-    raise _OptionError("--expert-backward", "fp8 is the backward of FP8 experts: it needs --gemm ffi or reference, "
-                                            "got --gemm dtype")
+  if args.expert_backward != "bf16" and args.gemm == "dtype":
+    raise _OptionError("--expert-backward", f"{args.expert_backward} is a backward of FP8 experts: it needs --gemm "
+                                            f"ffi or reference, got --gemm dtype")
   if args.gemm != "dtype":
     for option, v in (("--hidden", args.hidden), ("--ffn", args.ffn)):
       if v % quant.FP8_BLOCK:

@@ -125,9 +125,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--gemm", choices=("dtype", "ffi", "reference"), default="dtype",
                  help="routed experts' matmuls: in the compute dtype (default), or in FP8 on the grouped GEMM custom "
                       "call (ffi) or its pure-JAX twin (reference)")
-  p.add_argument("--expert-backward", choices=("bf16", "fp8"), default="bf16",
-                 help="with --gemm ffi/reference: the FP8 experts' backward, straight-through on bf16 GEMMs (default) "
-                      "or FP8 data gradients with the gate/up rows kept in FP8 (fp8)")
+  p.add_argument("--expert-backward", choices=("bf16", "fp8_dgrad", "fp8"), default="bf16",
+                 help="with --gemm ffi/reference: the FP8 experts' backward, straight-through on bf16 GEMMs (default), "
+                      "FP8 data gradients (fp8_dgrad), or FP8 data and weight gradients (fp8)")
   p.add_argument("--steps", type=positive_int, default=5, help="timed steps after one warm-up step (default: 5)")
   p.add_argument("--seed", type=seed_int, default=0, help="PRNG seed (default: 0)")
   p.add_argument("--max-calc-diff", type=float_in(0.0), default=None,

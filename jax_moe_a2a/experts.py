@@ -368,9 +368,10 @@ def _check_bf16_sizes(op: str, hidden: int, ffn: int) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# How the FP8 experts' backward computes: "bf16" is straight-through on the bf16 grouped GEMMs; "fp8" runs the
-# data gradients on the FP8 grouped GEMM (cotangent rows quantized 1x128, the forward's FP8 weights transposed).
-BACKWARDS = ("bf16", "fp8")
+# How the FP8 experts' backward computes: "bf16" is straight-through on the bf16 grouped GEMMs; "fp8_dgrad" runs
+# the data gradients on the FP8 grouped GEMM (cotangent rows quantized 1x128, the forward's FP8 weights transposed);
+# "fp8" the weight gradients too, on the FP8 weight-gradient GEMM (DeepSeek-V3's recipe: all three GEMMs in FP8).
+BACKWARDS = ("bf16", "fp8_dgrad", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +435,7 @@ def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_s
 def _kept_gate_up(st: _Fp8MlpStatic, h: jax.Array):
   """What the backward keeps of the gate/up rows h [..., 2F]: h itself (bfloat16), or for the FP8 backward its
   1x128 FP8 codes and scales (half the bytes; the backward's SwiGLU derivative then starts from these values)."""
-  if st.backward != "fp8":
+  if st.backward == "bf16":
     return h
   return _quantize_rows(h, st.impl)
 
@@ -456,7 +457,7 @@ def _weights_for_backward(st: _Fp8MlpStatic, w_gate_up, w_down, fp8):
   Float weights are read as they are (their gradient's dtype, and the bf16 backward's operands); FP8 ones are the
   bf16 backward's operands dequantized and the FP8 backward's operands transposed."""
   float_w = (w_gate_up, w_down) if st.w_dtype is not None else None
-  return float_w, (fp8 if st.w_dtype is None or st.backward == "fp8" else None)
+  return float_w, (fp8 if st.w_dtype is None or st.backward != "bf16" else None)
 
 
 def _bf16_weights(w_bwd):
@@ -473,6 +474,14 @@ def _transposed(w: jax.Array, w_sf: jax.Array) -> tuple[jax.Array, jax.Array]:
   """FP8 weights [G, N, K] with 128x128 block scales as [G, K, N]: each block's scale moves with its block, so
   this is exactly what quantizing the transposed weights gives (the amax of a block is that of its transpose)."""
   return jnp.swapaxes(w, -1, -2), jnp.swapaxes(w_sf, -1, -2)
+
+
+def _wgrad_fp8(impl, dy, x, group_sizes, out_dtype, x_sf=None):
+  """Per group, dy_g^T x_g on the FP8 grouped GEMM: both operands quantized along the tokens (128x1 tiles, each
+  group padded to 128 tokens; an FP8 x with 1x128 scales x_sf is decoded and quantized again that way)."""
+  kmajor = lambda v, sf=None: quant.quantize_fp8_grouped_kmajor(v, group_sizes, sf, impl=impl)
+  return grouped_gemm.grouped_gemm_fp8_wgrad(*kmajor(dy), *kmajor(x, x_sf), group_sizes, out_dtype=out_dtype,
+                                             impl=impl)
 
 
 def _data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8, weight=None):
@@ -503,31 +512,35 @@ def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
   hidden = a.shape[-1]
   wgrad_dtype = None if st.w_dtype is None else (
       jnp.dtype(jnp.float32) if st.w_dtype == jnp.dtype(jnp.float32) else jnp.dtype(bf16))
-  # The bf16 backward (and the weight gradients of both) is straight-through: the bfloat16 MLP's gradient at the
-  # quantized activations, the forward's gate/up rows and the weights (float weights rounded to bfloat16, FP8
-  # weights dequantized).
-  x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
-                                     dtype=bf16).reshape(a.shape)
-  needs_bf16_weights = st.backward == "bf16" or a.ndim == 3 and wgrad_dtype is not None
-  w_gate_up, w_down = _bf16_weights(w_bwd) if needs_bf16_weights else (None, None)
-  if st.backward == "fp8":
+  # The bf16 backward is straight-through: the bfloat16 MLP's gradient at the quantized activations, the forward's
+  # gate/up rows and the weights (float weights rounded to bfloat16, FP8 weights dequantized). The masked layout's
+  # weight gradients take that way with every backward; "fp8_dgrad"'s weight gradients are the bf16 GEMMs'.
+  masked = a.ndim == 3
+  if st.backward != "fp8" or (masked and wgrad_dtype is not None):
+    x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
+                                       dtype=bf16).reshape(a.shape)
+  if st.backward == "bf16" or (masked and wgrad_dtype is not None):
+    w_gate_up, w_down = _bf16_weights(w_bwd)
+  if st.backward == "bf16" and masked:
+    _, vjp = jax.vjp(lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), x, w_gate_up, w_down)
+    dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
+  elif st.backward == "bf16":
+    dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype)
+  else:
     ct_q, ct_sf = _quantize_rows(ct, st.impl)
     _, dh, dx = _data_gradients_fp8(st.impl, ct_q, ct_sf, h, group_sizes, w_bwd[1])
     dw_gu = dw_dn = None
-    if wgrad_dtype is not None and a.ndim == 3:
+    if wgrad_dtype is not None and masked:
       _, vjp = jax.vjp(lambda wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), w_gate_up, w_down)
       dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
+    elif wgrad_dtype is not None and st.backward == "fp8":
+      dw_dn = _wgrad_fp8(st.impl, ct.astype(bf16), _swiglu(h).astype(bf16), group_sizes, wgrad_dtype)
+      dw_gu = _wgrad_fp8(st.impl, dh, a, group_sizes, wgrad_dtype, x_sf=a_sf)
     elif wgrad_dtype is not None:
       act = _swiglu(h).astype(bf16)
       dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct.astype(bf16), act, group_sizes, out_dtype=wgrad_dtype,
                                                    impl=st.impl)
-      dw_gu = grouped_gemm.grouped_gemm_bf16_wgrad(dh.astype(bf16), x, group_sizes, out_dtype=wgrad_dtype,
-                                                   impl=st.impl)
-  elif a.ndim == 3:
-    _, vjp = jax.vjp(lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), x, w_gate_up, w_down)
-    dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
-  else:
-    dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype)
+      dw_gu = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x, group_sizes, out_dtype=wgrad_dtype, impl=st.impl)
   dx = None if st.x_dtype is None else dx.astype(st.x_dtype)
   if st.w_dtype is None:
     dw_gu = dw_dn = None
@@ -577,12 +590,15 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
   bfloat16 MLP evaluated at the dequantized FP8 activations, the forward's gate/up rows and the weights (float
   weights rounded to bfloat16 -- not their FP8 forms --, FP8 weights dequantized), on the bf16 grouped GEMMs of
   `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
-  it is evaluated. `backward="fp8"`: the data gradient runs on the FP8 grouped GEMM as DeepSeek-V3 trains: the
-  output cotangent rows and the SwiGLU backward's rows quantized 1x128, times the forward's FP8 weights
-  transposed (codes and 128x128 block scales, exact), and the gate/up rows are kept for it as 1x128 FP8 codes and
-  scales (the SwiGLU derivative starts from their decoded values); the weight gradients are the bf16 GEMMs' as with
-  "bf16". Float x and float weights get cotangents in their own dtypes; FP8 inputs, scales and group_sizes get
-  none.
+  it is evaluated. `backward="fp8_dgrad"`: the data gradient runs on the FP8 grouped GEMM as DeepSeek-V3 trains:
+  the output cotangent rows and the SwiGLU backward's rows quantized 1x128, times the forward's FP8 weights
+  transposed (codes and 128x128 block scales, exact), and the gate/up rows are kept for the backward as 1x128 FP8
+  codes and scales (the SwiGLU derivative starts from their decoded values); the weight gradients are the bf16
+  GEMMs'. `backward="fp8"`, DeepSeek-V3's whole recipe: the weight gradients too (contiguous layout), per expert
+  dw_down = ct^T act and dw_gate_up = dh^T x on `grouped_gemm.grouped_gemm_fp8_wgrad`, every operand quantized
+  along the tokens in 128x1 tiles (`quant.quantize_fp8_grouped_kmajor`; x from its FP8 codes, a second rounding).
+  The masked layout's weight gradients stay bf16. Float x and float weights get cotangents
+  in their own dtypes; FP8 inputs, scales and group_sizes get none.
 
   Args:
     x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
@@ -592,7 +608,7 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
       must be multiples of 128.
     x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
     impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
-    backward: "bf16" or "fp8" (`BACKWARDS`): how the data gradient is computed, see above.
+    backward: "bf16", "fp8_dgrad" or "fp8" (`BACKWARDS`): how the gradients are computed, see above.
 
   Returns:
     bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
@@ -662,7 +678,8 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
   h = _gate_up(h)
   bf16, f32 = jnp.bfloat16, jnp.float32
   mlp_impl = st.impl if st.fp8 is None else st.fp8.impl
-  fp8_backward = st.fp8 is not None and st.fp8.backward == "fp8"
+  fp8_backward = st.fp8 is not None and st.fp8.backward != "bf16"  # FP8 data gradients
+  fp8_wgrad = st.fp8 is not None and st.fp8.backward == "fp8"
   gs = perm.group_sizes
   pos = perm.pos.reshape(perm.valid.shape)
   with jax.named_scope("unpermute"):
@@ -691,7 +708,15 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
       dx_sorted = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, gs, b_layout="kn", impl=mlp_impl)
     d_w = jnp.sum(act * g.astype(f32), axis=-1)  # <act, ct @ w_down> = <y, ct> per sorted assignment
     dw_gu = dw_dn = None
-    if st.w_dtypes is not None:
+    if st.w_dtypes is not None and fp8_wgrad:
+      # The FP8 weight gradients: the rows expanded again as the forward's FP8 codes, re-tiled along the tokens.
+      wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
+      dw_dn = _wgrad_fp8(mlp_impl, ct_sorted, (w_sorted * act).astype(bf16), gs, wgrad_dtype).astype(st.w_dtypes[1])
+      with jax.named_scope("permute"):
+        x_q = row_ops.scatter_rows(saved_rows[0], pos, impl=mlp_impl)
+        x_sf = row_ops.scatter_rows(saved_rows[1], pos, impl=mlp_impl)
+      dw_gu = _wgrad_fp8(mlp_impl, dh, x_q, gs, wgrad_dtype, x_sf=x_sf).astype(st.w_dtypes[0])
+    elif st.w_dtypes is not None:
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
       dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct_sorted, (w_sorted * act).astype(bf16), gs,
                                                    out_dtype=wgrad_dtype, impl=mlp_impl).astype(st.w_dtypes[1])
@@ -745,7 +770,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
       float weights are quantized 128x128.
     impl: "auto", "ffi" or "reference", for the bf16 grouped GEMMs.
     backward: with gemm_impl, how the FP8 experts' data gradient is computed (`swiglu_mlp_fp8`'s `backward`:
-      "bf16" straight-through, or "fp8" on the FP8 grouped GEMM).
+      "bf16" straight-through, "fp8_dgrad" FP8 data gradients, "fp8" FP8 data and weight gradients).
 
   Rows are permuted in their own dtype (decoded to compute_dtype, or FP8 codes with their scales), the expert
   outputs stay bfloat16 until the weighted sum, and both directions are gathers (the gradients too), so no

@@ -125,10 +125,12 @@ class MoEConfig:
     gemm_impl: None: the routed experts compute in `dtype`; ``"auto" | "ffi" | "reference"``: they run in FP8
       with `experts.swiglu_mlp_fp8` (the grouped GEMM custom call, or its pure-JAX twin); hidden and ffn must
       then be multiples of 128.
-    expert_backward: how the FP8 experts (gemm_impl) are differentiated: ``"bf16"`` (default), straight-through on
-      the bf16 grouped GEMMs; ``"fp8"``, DeepSeek-V3's recipe: the data gradients on the FP8 grouped GEMM (the
-      output cotangent and the SwiGLU backward's rows quantized 1x128, the forward's FP8 weights transposed) and
-      the gate/up rows kept for the backward in FP8 (`experts.swiglu_mlp_fp8`); the weight gradients stay bf16.
+    expert_backward: how the FP8 experts (gemm_impl) are differentiated (`experts.swiglu_mlp_fp8`): ``"bf16"``
+      (default), straight-through on the bf16 grouped GEMMs; ``"fp8_dgrad"``, the data gradients on the FP8 grouped
+      GEMM (the output cotangent and the SwiGLU backward's rows quantized 1x128, the forward's FP8 weights
+      transposed) with the gate/up rows kept for the backward in FP8, the weight gradients on bf16 GEMMs;
+      ``"fp8"``, DeepSeek-V3's recipe: the weight gradients too, on the FP8 weight-gradient GEMM (operands
+      quantized along the tokens, 128x1).
   """
 
   num_experts: int
@@ -222,8 +224,9 @@ class MoEConfig:
     if self.expert_backward not in experts.BACKWARDS:
       raise ValueError(f"{op}: expert_backward must be one of {', '.join(experts.BACKWARDS)}, got "
                        f"{self.expert_backward!r}")
-    if self.expert_backward == "fp8" and self.gemm_impl is None:
-      raise ValueError(f"{op}: expert_backward='fp8' is the backward of FP8 experts, so it needs gemm_impl "
+    if self.expert_backward != "bf16" and self.gemm_impl is None:
+      raise ValueError(f"{op}: expert_backward={self.expert_backward!r} is a backward of FP8 experts, so it needs "
+                       f"gemm_impl "
                        f"('auto', 'ffi' or 'reference'), got gemm_impl=None")
     if self.gemm_impl is not None:
       if self.gemm_impl not in _ffi.IMPLS:

@@ -40,7 +40,7 @@ def _usage_error(argv, capsys) -> str:
     (["--router", "deepseek_v3", "--experts", "16", "--n-group", "16", "--topk-group", "1", "--top-k", "4"],
      "--top-k", "must be <= the experts of --topk-group groups, 1 * 1 = 1, got 4"),
     (["--expert-backward", "fp8"], "--expert-backward",
-     "fp8 is the backward of FP8 experts: it needs --gemm ffi or reference, got --gemm dtype"),
+     "fp8 is a backward of FP8 experts: it needs --gemm ffi or reference, got --gemm dtype"),
     (["--sequence-parallel"], "--sequence-parallel", "needs --tp > 1"),
     (["--tp", "3"], "--tp", "must divide the device count (8), got 3"),
     (["--data", "3"], "--data", "must divide the device count (8), got 3"),

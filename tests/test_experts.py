@@ -356,12 +356,14 @@ def _qdq_rows(v):
   return np.asarray(quant.dequantize_fp8_blockwise(q, sf, dtype=jnp.float32), np.float64)
 
 
+@pytest.mark.parametrize("backward", ["fp8_dgrad", "fp8"])
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
-def test_fp8_backward_is_the_fp8_data_gradient(impl):
-  """backward="fp8": the data gradient is dx = Q(dh) @ W_gu and dh from g = Q(ct) @ W_dn and the kept Q(h), Q the
+def test_fp8_backward_is_the_fp8_data_gradient(impl, backward):
+  """backward="fp8_dgrad" and "fp8": the data gradient is dx = Q(dh) @ W_gu and dh from g = Q(ct) @ W_dn and the kept Q(h), Q the
   1x128 quantizer, W the forward's FP8 weights: against that product emulated in float64 (calc_diff 1e-4: the bf16 rounding of g and
   dx, and dh's quantization where g rounded the other way); the weight gradients are the bf16
-  GEMMs' (on the FP8 path's dh and on act recomputed from the kept Q(h)); against the float32 MLP every gradient is within FP8 error (calc_diff
+  GEMMs' ("fp8_dgrad", on the FP8 path's dh and on act recomputed from the kept Q(h)) or the FP8 weight-gradient
+  GEMM's ("fp8"); against the float32 MLP every gradient is within FP8 error (calc_diff
   5e-3)."""
   from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
   from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
@@ -380,7 +382,7 @@ def test_fp8_backward_is_the_fp8_data_gradient(impl):
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
   args = (x, weights.w_gate_up, weights.w_down)
-  fp8, bf16 = loss("fp8")(*args), loss("bf16")(*args)
+  fp8, bf16 = loss(backward)(*args), loss("bf16")(*args)
   # The emulation: the forward's FP8 weights and its gate/up rows (as the forward's GEMM made them: the products
   # below are quantized again, so they must start from the same bits), then the two FP8 data-gradient products.
   gu_q, gu_sf = quant.quantize_fp8_weight(weights.w_gate_up, impl="reference")
@@ -413,9 +415,9 @@ def test_fp8_backward_is_the_fp8_data_gradient(impl):
     assert calc_diff(a, b) < 5e-3, name
 
 
-@pytest.mark.parametrize("fp8_weights", [False, True])
-def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(fp8_weights):
-  """The expert pass with backward="fp8" (the layer's FP8 path) against plain autodiff of the dense float32
+@pytest.mark.parametrize("backward,fp8_weights", [("fp8_dgrad", False), ("fp8_dgrad", True), ("fp8", False)])
+def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(backward, fp8_weights):
+  """The expert pass with backward="fp8_dgrad" or "fp8" (the layer's FP8 path) against plain autodiff of the dense float32
   oracle at the same (dequantized) weights: calc_diff 5e-3 for every gradient; padding gets exact zeros."""
   from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
   x, ids, w = _layout(23, capacity=40)
@@ -437,7 +439,7 @@ def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(fp8_weights):
 
   argnums = (0, 1) if fp8_weights else (0, 1, 2, 3)
   args = (jnp.asarray(x), jnp.asarray(w), weights.w_gate_up, weights.w_down)
-  got = jax.jit(jax.grad(stage("fp8"), argnums=argnums))(*args)
+  got = jax.jit(jax.grad(stage(backward), argnums=argnums))(*args)
   bf16 = jax.jit(jax.grad(stage("bf16"), argnums=argnums))(*args)
   gu, dn = weights.dequantized(jnp.float32)
   want = jax.jit(jax.grad(dense, argnums=argnums))(*args[:2], gu, dn)
@@ -450,7 +452,7 @@ def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(fp8_weights):
 
 def test_an_unknown_backward_is_refused():
   x = jnp.zeros((4, HIDDEN), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"swiglu_mlp_fp8: backward must be one of bf16, fp8, got 'fp4'"):
+  with pytest.raises(ValueError, match=r"swiglu_mlp_fp8: backward must be one of bf16, fp8_dgrad, fp8, got 'fp4'"):
     experts.swiglu_mlp_fp8(x, jnp.asarray([4, 0, 0], jnp.int32), _weights(0), backward="fp4")
 
 

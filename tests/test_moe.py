@@ -262,11 +262,12 @@ def test_fp8_experts_on_the_grouped_gemm(gemm_impl, fp8_weights):
   assert max_rel(got[0], want[0]) > 1e-4  # the experts really ran in FP8
 
 
-@pytest.mark.parametrize("fp8_weights", [False, True])
-def test_the_fp8_backward_matches_the_oracle(fp8_weights):
-  """expert_backward="fp8" (FP8 data gradients, FP8-kept gate/up rows) through the whole layer: output and every
-  gradient within the FP8 experts' tolerance of the float32 oracle, and gradients not those of the bf16 backward."""
-  config = _config(fp8_weights=fp8_weights, gemm_impl="auto", expert_backward="fp8")
+@pytest.mark.parametrize("backward,fp8_weights", [("fp8_dgrad", False), ("fp8_dgrad", True), ("fp8", False)])
+def test_the_fp8_backward_matches_the_oracle(backward, fp8_weights):
+  """expert_backward="fp8_dgrad" (FP8 data gradients, FP8-kept gate/up rows) and "fp8" (FP8 weight gradients too)
+  through the whole layer: output and every gradient within the FP8 experts' tolerance of the float32 oracle, and
+  gradients not those of the bf16 backward."""
+  config = _config(fp8_weights=fp8_weights, gemm_impl="auto", expert_backward=backward)
   mesh = _mesh((2, 4), ("data", "expert"))
   got, want = _run(config, mesh)
   _assert_calc_diff(got, want, FP8_EXPERTS_CALC_DIFF)
@@ -426,8 +427,8 @@ def test_init_params_shapes_and_shardings(fp8_weights):
     (dict(num_shared_experts=-1), "num_shared_experts must be an int >= 0"),
     (dict(gemm_impl="cutlass"), "gemm_impl must be None or one of auto, ffi, reference, got 'cutlass'"),
     (dict(gemm_impl="ffi", ffn=96), "gemm_impl='ffi' (FP8 experts) needs ffn % 128 == 0, got ffn=96"),
-    (dict(expert_backward="fp4"), "expert_backward must be one of bf16, fp8, got 'fp4'"),
-    (dict(expert_backward="fp8"), "expert_backward='fp8' is the backward of FP8 experts, so it needs gemm_impl"),
+    (dict(expert_backward="fp4"), "expert_backward must be one of bf16, fp8_dgrad, fp8, got 'fp4'"),
+    (dict(expert_backward="fp8"), "expert_backward='fp8' is a backward of FP8 experts, so it needs gemm_impl"),
 ])
 def test_config_errors(kw, match):
   with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
