@@ -98,7 +98,10 @@ def test_wgrad_ffi_close_to_twin(m, sizes):
   ops, s = _operands(rng, m, 128, 256, sizes)
   want = _gemm(ops, s, "reference")
   got = _gemm(ops, s, "ffi")
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1.0))
+  if jax.default_backend() == "gpu":  # wgmma's reduced-precision block sums (module docstring)
+    assert max_rel(got, want) <= 2e-3 and calc_diff(got, want) < 1e-6
+  else:
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1.0))
   for g in _empty_groups(sizes, m):
     np.testing.assert_array_equal(got[g], 0.0)
   got_bf16 = _gemm(ops, s, "ffi", jnp.bfloat16)
