@@ -9,7 +9,7 @@ VJPs. `dispatch_two_level` and `combine_two_level` run over an expert axis of no
 nodes on XLA's collectives, then one inside each node (one-sided with a workspace); combine in reverse.
 
 These functions are the exact twin of the one-sided NVLink custom call: the custom call must reproduce every
-output below bit for bit. The contract (DESIGN.md §3), per shard, with ``T = num_tokens`` (static), ``R =
+output below bit for bit. The contract (docs/DESIGN.md §3), per shard, with ``T = num_tokens`` (static), ``R =
 num_ranks``, ``L = num_local_experts = num_experts // R`` and global expert ``e`` living on rank ``e // L``:
 
 - **Validity.** ``topk_ids[t, k]`` is a valid expert iff ``0 <= topk_ids[t, k] < num_experts``; any other id

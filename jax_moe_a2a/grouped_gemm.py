@@ -210,7 +210,7 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
 
   Args:
     a: float8_e4m3fn activations, [M, K] (contiguous) or [G, R, K] (masked), K % 128 == 0.
-    a_sf: float32 1x128 scales of `a`: [M, K/128] or [G, R, K/128] (DESIGN.md §1.2), as
+    a_sf: float32 1x128 scales of `a`: [M, K/128] or [G, R, K/128] (docs/DESIGN.md §1.2), as
       `quant.quantize_fp8_blockwise` returns them by default. The kernel reads one group's scales as a compact
       block, which row slices of this layout are; the transposed [K/128, M] layout is not accepted.
     b: float8_e4m3fn weights [G, N, K], N and K multiples of 128.
@@ -384,7 +384,8 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_wgrad_fp8(op: str, a_t: Any, a_sf_t: Any, b_t: Any, b_sf_t: Any, group_sizes: Any) -> tuple[int, int, int, int]:
+def _check_wgrad_fp8(op: str, a_t: Any, a_sf_t: Any, b_t: Any, b_sf_t: Any,
+                     group_sizes: Any) -> tuple[int, int, int, int]:
   """Checks the operands of `grouped_gemm_fp8_wgrad`; returns (G, Na, Nb, P)."""
   for name, v, dtype in (("a_t", a_t, jnp.float8_e4m3fn), ("a_sf_t", a_sf_t, jnp.float32),
                          ("b_t", b_t, jnp.float8_e4m3fn), ("b_sf_t", b_sf_t, jnp.float32)):

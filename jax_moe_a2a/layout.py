@@ -300,7 +300,7 @@ def workspace_layout(*, num_ranks: int, capacity: int, hidden: int, top_k: int, 
   """Offsets and sizes of every region of one rank's one-sided workspace, computed in one pass.
 
   Receive regions hold [num_ranks, capacity, ...]: a source sends each of its `capacity` tokens to a rank at
-  most once, so no region can overflow (DESIGN.md §3).
+  most once, so no region can overflow (docs/DESIGN.md §3).
 
   Args:
     num_ranks: ranks on the expert axis.

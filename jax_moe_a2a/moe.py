@@ -4,7 +4,7 @@ Per shard, in order (each stage under its own `jax.named_scope`):
 
 1. ``sequence_parallel_slice`` (sequence parallelism only): tokens arrive replicated over `tp_axis` (as after
    tensor-parallel attention); tp rank i keeps rows ``[i * T / tp, (i + 1) * T / tp)`` of its T local tokens, so
-   no rank routes or computes a replicated token twice (DESIGN.md §1.4).
+   no rank routes or computes a replicated token twice (docs/DESIGN.md §1.4).
 2. ``router``: float32 logits ``x @ router`` and `routing.route` (softmax top-k or DeepSeek-V3 grouped sigmoid).
 3. ``aux``: the load-balance loss and the per-expert load, summed over every axis that holds distinct tokens.
 4. ``wire`` (`a2a.wire_dispatch`): the activations are cast to the wire format (bf16, or E4M3 with one FP32

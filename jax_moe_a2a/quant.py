@@ -231,7 +231,7 @@ def _fp8_block_quantize(g: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array,
 
 
 def check_fp8_blockwise(op: str, x_q: Any, x_sf: Any, *, block_major_k: bool = False) -> tuple[int, int]:
-  """Checks a blockwise FP8 activation and its scales (DESIGN.md §1.2); returns (M, K).
+  """Checks a blockwise FP8 activation and its scales (docs/DESIGN.md §1.2); returns (M, K).
 
   Args:
     op: the caller's name, the first word of every error message.

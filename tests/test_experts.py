@@ -359,9 +359,10 @@ def _qdq_rows(v):
 @pytest.mark.parametrize("backward", ["fp8_dgrad", "fp8"])
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
 def test_fp8_backward_is_the_fp8_data_gradient(impl, backward):
-  """backward="fp8_dgrad" and "fp8": the data gradient is dx = Q(dh) @ W_gu and dh from g = Q(ct) @ W_dn and the kept Q(h), Q the
-  1x128 quantizer, W the forward's FP8 weights: against that product emulated in float64 (calc_diff 1e-4: the bf16 rounding of g and
-  dx, and dh's quantization where g rounded the other way); the weight gradients are the bf16
+  """backward="fp8_dgrad" and "fp8": the data gradient is dx = Q(dh) @ W_gu and dh from g = Q(ct) @ W_dn and the
+  kept Q(h), Q the 1x128 quantizer, W the forward's FP8 weights: against that product emulated in float64
+  (calc_diff 1e-4: the bf16 rounding of g and dx, and dh's quantization where g rounded the other way); the weight
+  gradients are the bf16
   GEMMs' ("fp8_dgrad", on the FP8 path's dh and on act recomputed from the kept Q(h)) or the FP8 weight-gradient
   GEMM's ("fp8"); against the float32 MLP every gradient is within FP8 error (calc_diff
   5e-3)."""
@@ -417,8 +418,8 @@ def test_fp8_backward_is_the_fp8_data_gradient(impl, backward):
 
 @pytest.mark.parametrize("backward,fp8_weights", [("fp8_dgrad", False), ("fp8_dgrad", True), ("fp8", False)])
 def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(backward, fp8_weights):
-  """The expert pass with backward="fp8_dgrad" or "fp8" (the layer's FP8 path) against plain autodiff of the dense float32
-  oracle at the same (dequantized) weights: calc_diff 5e-3 for every gradient; padding gets exact zeros."""
+  """The expert pass with backward="fp8_dgrad" or "fp8" (the layer's FP8 path) against plain autodiff of the dense
+  float32 oracle at the same (dequantized) weights: calc_diff 5e-3 for every gradient; padding gets exact zeros."""
   from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
   x, ids, w = _layout(23, capacity=40)
   weights = _weights(23)

@@ -1,6 +1,7 @@
 """Tests for jax_moe_a2a.layout: per-token wire payloads and the one-sided workspace regions.
 
-Every expected number below is computed by hand (DESIGN.md §1 table, §3), never by re-running the module's formula.
+Every expected number below is computed by hand (docs/DESIGN.md §1.1 table, §3), never by re-running the module's
+formula.
 """
 
 import re
