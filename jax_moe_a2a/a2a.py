@@ -53,7 +53,7 @@ from jax_moe_a2a import _ffi, layout, quant, routing
 from jax_moe_a2a.layout import INVALID_EXPERT
 from jax_moe_a2a.ordering import after  # noqa: F401  (public here too: a2a.after)
 # Workspace: public here too (a2a.Workspace)
-from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, _describe, _row_bytes
+from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, _describe, _row_bytes, check_one_sided_backward
 
 # ----------------------------------------------------------------------------------------------------------------
 # Results and handle
@@ -304,6 +304,8 @@ def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_expe
 
 def _dispatch_bwd(st: _DispatchStatic, res, cts):
   send_slot, topk_rank, recv_counts = res
+  if st.workspace is not None:
+    check_one_sided_backward("dispatch")
   ct_result, _ = cts  # the handle's arrays are integers: no cotangents
   ax = st.axis_name
 
@@ -455,6 +457,8 @@ def _combine(st, expert_out, send_slot, recv_counts, topk_ids):
 
 def _combine_bwd(st: _CombineStatic, res, ct_out):
   send_slot, topk_ids, forward_out = res
+  if forward_out is not None:  # the forward was one-sided
+    check_one_sided_backward("combine")
   ct = ct_out.astype(st.expert_dtype)
   ws = st.workspace
   if ws is not None and topk_ids is not None and ws.fits_dispatch_rows(ct):

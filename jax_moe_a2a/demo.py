@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   from jax_moe_a2a import _ffi, layout, moe  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a import workspace as workspace_lib  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()
   n = len(devices)
@@ -218,6 +219,14 @@ def run(args: argparse.Namespace) -> int:
   split = lambda p: ({k: p[k] for k in trained}, {k: v for k, v in p.items() if k not in trained})
   use_ffi = args.a2a == "ffi" or (args.a2a == "auto" and _ffi.available() and
                                   jax.default_backend() in _ffi.register())
+  if use_ffi and jax.default_backend() == "cpu" and not workspace_lib.cpu_compiles_one_sided_backward():
+    if args.a2a == "ffi":
+      print(f"demo: --a2a ffi: the one-sided calls' backward does not compile on XLA:CPU of jax {jax.__version__} "
+            f"(use jax >= 0.12, or --a2a reference)", file=sys.stderr)
+      return 2
+    print(f"  (jax {jax.__version__} on CPU: dispatch/combine on the twin exchange; the one-sided calls' backward "
+          f"needs jax >= 0.12 there)")
+    use_ffi = False
   workspace = moe.make_workspace(config, mesh, num_tokens, training=True) if use_ffi else None
   step = jax.jit(loss_fn(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace)))
   oracle = jax.jit(loss_fn(lambda p, x: moe.moe_dense_reference(p, x, config)))

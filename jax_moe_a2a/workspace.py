@@ -61,6 +61,21 @@ def groups_span_domains(mesh: jax.sharding.Mesh, expert_axis: Hashable) -> bool:
   return any(len({_memory_domain(d) for d in g}) > 1 for g in groups)
 
 
+def cpu_compiles_one_sided_backward() -> bool:
+  """Whether this JAX compiles a backward pass through the one-sided calls for its CPU devices: XLA:CPU of jax
+  0.11 crashes the process (a segmentation fault while compiling) on such programs over simulated devices; jax
+  0.12 compiles them, and GPUs compile them with either."""
+  return jax.__version_info__ >= (0, 12)
+
+
+def check_one_sided_backward(op: str) -> None:
+  """Refuses, at trace time, a backward pass through the one-sided calls that this JAX's XLA:CPU would crash on."""
+  if jax.default_backend() == "cpu" and not cpu_compiles_one_sided_backward():
+    raise RuntimeError(f"{op}: the backward pass through the one-sided calls does not compile on XLA:CPU of jax "
+                       f"{jax.__version__} (it crashes the process); use jax >= 0.12, or on CPU no workspace (the "
+                       f"twin exchange: the same results)")
+
+
 def _describe(a: Any) -> str:
   if hasattr(a, "shape") and hasattr(a, "dtype"):
     return f"shape {tuple(a.shape)} dtype {a.dtype}"

@@ -256,3 +256,23 @@ def test_moe_apply_reshards_x_on_a_mesh_of_auto_and_explicit_axes():
   want = np.asarray(apply(params, jax.device_put(x, NamedSharding(mesh, P((moe.DATA_AXIS, moe.EXPERT_AXIS)))))[0])
   y = jax.jit(apply)(params, x)[0]  # not committed to the mesh
   np.testing.assert_array_equal(np.asarray(y), want)
+
+
+def test_a_one_sided_backward_that_xla_cpu_would_crash_on_is_refused(monkeypatch):
+  """XLA:CPU of jax 0.11 crashes the process compiling the one-sided calls' backward: on such a JAX the backward is
+  refused at trace time, naming the version and what works (here the JAX is made to look like one)."""
+  from conftest import devices  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a import _ffi, moe, workspace  # pylint: disable=import-outside-toplevel
+  if not _ffi.available():
+    pytest.skip("compiled extension not built")
+  mesh = jax.make_mesh((1, 4), ("data", "expert"), devices=devices(4))
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=128, ffn=128)
+  params = moe.init_params(jax.random.key(0), config, mesh)
+  x = jax.random.normal(jax.random.key(1), (32, 128), jnp.bfloat16)
+  monkeypatch.setattr(workspace, "cpu_compiles_one_sided_backward", lambda: False)
+  with moe.make_workspace(config, mesh, 32, training=True) as ws:
+    loss = lambda p: jnp.sum(moe.moe_apply(p, x, config, mesh, workspace=ws)[0].astype(jnp.float32))
+    jax.jit(loss)(params)  # the forward compiles
+    with pytest.raises(RuntimeError, match=r"the backward pass through the one-sided calls does not compile on "
+                                           r"XLA:CPU of jax .* use jax >= 0.12, or on CPU no workspace"):
+      jax.jit(jax.grad(loss))(params)
