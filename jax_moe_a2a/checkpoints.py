@@ -291,6 +291,7 @@ class _Layer:
     self.tensors, self.config, self.model_type, self.prefix, self.op = tensors, config, model_type, prefix, op
     self.shapes = moe.param_shapes(config)
     self.used: set[str] = set()
+    self._pending: dict[tuple, np.ndarray] = {}  # halves of routed-expert parts read with the other half
     self._plan()
     self._check_unexpected()
 
@@ -397,23 +398,24 @@ class _Layer:
 
   # -- values ----------------------------------------------------------------------------------------------------
 
+  def _scales(self, key: str) -> np.ndarray:
+    """The float32 block scales of the FP8 weight `key`; non-finite ones are refused."""
+    s = np.asarray(self.tensors[key + _SCALE_SUFFIX]).astype(np.float32)
+    if not np.all(np.isfinite(s)):
+      raise ValueError(f"{self.op}: {key + _SCALE_SUFFIX!r} must hold finite scales, got a NaN or an infinity")
+    return s
+
   def _dense(self, name: str, fp8: bool, dtype) -> np.ndarray:
     """The weight ``<name>.weight`` as `dtype`: FP8 codes times their block scales in float32, or one cast."""
     key = f"{self.prefix}{name}.weight"
     w = np.asarray(self.tensors[key])
     if not fp8:
       return w.astype(dtype)
-    s = np.asarray(self.tensors[key + _SCALE_SUFFIX]).astype(np.float32)
-    if not np.all(np.isfinite(s)):
-      raise ValueError(f"{self.op}: {key + _SCALE_SUFFIX!r} must hold finite scales, got a NaN or an infinity")
-    return (w.astype(np.float32) * _expand_blocks(s, *w.shape)).astype(dtype)
+    return (w.astype(np.float32) * _expand_blocks(self._scales(key), *w.shape)).astype(dtype)
 
   def _fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
     key = f"{self.prefix}{name}.weight"
-    s = np.asarray(self.tensors[key + _SCALE_SUFFIX]).astype(np.float32)
-    if not np.all(np.isfinite(s)):
-      raise ValueError(f"{self.op}: {key + _SCALE_SUFFIX!r} must hold finite scales, got a NaN or an infinity")
-    return np.asarray(self.tensors[key]), s
+    return np.asarray(self.tensors[key]), self._scales(key)
 
   def _expert(self, i: int, which: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """Expert i's w_gate_up [2F, H] or w_down [H, F]: (values, None), or (codes, scales) with fp8_weights."""
@@ -436,10 +438,20 @@ class _Layer:
     dtype = self.shapes[param].dtype
     if param in ("w_gate_up", "w_down", "w_gate_up_sf", "w_down_sf"):
       which = param.removesuffix("_sf")
+      key = (param, tuple((s.start, s.stop, s.step) for s in index))
+      if key in self._pending:  # the other half of a part already read for the codes or the scales
+        return self._pending.pop(key)
       experts = range(*index[0].indices(c.num_experts))
-      parts = [self._expert(i, which)[1 if param.endswith("_sf") else 0] for i in experts]
-      stacked = np.stack(parts) if parts else np.zeros((0, *self.shapes[param].shape[1:]), dtype)
-      return stacked[(slice(None), *index[1:])].astype(dtype)
+      parts = [self._expert(i, which) for i in experts]
+      halves = {}
+      for name, half in ((which, 0), (which + "_sf", 1)):
+        if name in self.shapes:
+          stacked = np.stack([p[half] for p in parts]) if parts else \
+              np.zeros((0, *self.shapes[name].shape[1:]), self.shapes[name].dtype)
+          halves[name] = stacked[(slice(None), *index[1:])].astype(self.shapes[name].dtype)
+      # FP8 codes and scales come from one read (and, for float experts, one quantization) of each expert.
+      self._pending.update({(name, key[1]): v for name, v in halves.items() if name != param})
+      return halves[param]
     if param == "router":
       out = self._dense("gate", self.fp8["router"], dtype).T
     elif param == "router_bias":

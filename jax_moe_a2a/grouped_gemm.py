@@ -266,6 +266,17 @@ def _check_group_sizes(op: str, group_sizes: Any, num_groups: Optional[int]) -> 
   return group_sizes.shape[0]
 
 
+def _wgrad_out_dtype(op: str, out_dtype: Any) -> jnp.dtype:
+  """A weight gradient's output dtype: float32 or bfloat16 (what the optimizer keeps)."""
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    out_dtype = None
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+  return out_dtype
+
+
 def _check_width(op: str, name: str, v: int) -> None:
   if v <= 0 or v % 8:
     raise ValueError(f"{op}: {name} must be a positive multiple of 8 (16-byte rows), got {v}")
@@ -366,12 +377,7 @@ def grouped_gemm_bf16_wgrad(a: jax.Array, b: jax.Array, group_sizes: jax.Array, 
   num_groups = _check_group_sizes(op, group_sizes, None)
   _check_width(op, "K", k)
   _check_width(op, "N", n)
-  try:
-    out_dtype = jnp.dtype(out_dtype)
-  except TypeError:
-    out_dtype = None
-  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ValueError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+  out_dtype = _wgrad_out_dtype(op, out_dtype)
   if _ffi.resolve_impl(op, impl) == "ffi":
     mode, f32_out = _MODE["wgrad"], out_dtype == jnp.dtype(jnp.float32)
     out = (jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), _bf16_scratch(num_groups, mode, f32_out))
@@ -478,12 +484,7 @@ def grouped_gemm_fp8_wgrad(a_t: jax.Array, a_sf_t: jax.Array, b_t: jax.Array, b_
   op = "grouped_gemm_fp8_wgrad"
   group_sizes = _as_group_sizes(op, group_sizes)
   num_groups, na, nb, _ = _check_wgrad_fp8(op, a_t, a_sf_t, b_t, b_sf_t, group_sizes)
-  try:
-    out_dtype = jnp.dtype(out_dtype)
-  except TypeError:
-    out_dtype = None
-  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ValueError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+  out_dtype = _wgrad_out_dtype(op, out_dtype)
   if _ffi.resolve_impl(op, impl) == "ffi":
     out = (jax.ShapeDtypeStruct((num_groups, na, nb), out_dtype),
            jax.ShapeDtypeStruct((wgrad_scratch_bytes(num_groups),), jnp.uint8))

@@ -38,6 +38,7 @@
 
 #include "common.h"
 #include "handlers.h"
+#include "quant.h"
 #include "xla/ffi/api/ffi.h"
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
@@ -133,22 +134,11 @@ ffi::Error CheckGroupedGemm(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::F32>
 // CPU
 // ---------------------------------------------------------------------------------------------------------------
 
-// float32 value of every E4M3 (fn) byte: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities, NaN 0x7F/0xFF.
+// float32 value of every E4M3 (fn) byte, looked up in the CPU handlers' inner loops.
 struct E4m3Table {
   float value[256];
   E4m3Table() {
-    for (int byte = 0; byte < 256; ++byte) {
-      const int exp = (byte >> 3) & 0xF, mant = byte & 0x7;
-      float v;
-      if (exp == 0xF && mant == 0x7) {
-        v = std::nanf("");
-      } else if (exp == 0) {
-        v = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
-      } else {
-        v = std::ldexp(1.0f + mant / 8.0f, exp - 7);
-      }
-      value[byte] = (byte & 0x80) ? -v : v;
-    }
+    for (int byte = 0; byte < 256; ++byte) value[byte] = E4m3ToFloat(static_cast<uint8_t>(byte));
   }
 };
 
