@@ -674,6 +674,58 @@ def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array,
   return quantize_fp8_weight_reference(w)
 
 
+@jax.jit
+def quantize_fp8_weight_with_transpose_reference(w: jax.Array
+                                                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Pure-JAX twin of `quantize_fp8_weight_with_transpose` (no argument checks)."""
+  w_q, w_sf = quantize_fp8_weight_reference(w)
+  return w_q, w_sf, jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_sf, -1, -2)
+
+
+def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
+                                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """`quantize_fp8_weight`, with the codes also written transposed: the operands of ``x @ w.T`` and ``g @ w``.
+
+  FP8 tensor-core GEMMs read both operands K-major, so a data gradient ``g @ w`` needs the codes as ``[..., K, N]``.
+  A 128x128 block's scale is the same for its transpose (same amax), so the transposed operand is the same codes
+  moved and the scales swapped: written by the quantizer while it holds each block, this costs one more write of
+  the codes instead of a separate read and write.
+
+  Args:
+    w: `[..., N, K]` bfloat16, float16 or float32.
+    impl: as `quantize_fp8_weight` ("auto" takes the twin on GPUs where N is not a multiple of 16 or the
+      kernel's other limits are not met). Both give the same bits.
+
+  Returns:
+    w_q: `[..., N, K] float8_e4m3fn` and w_sf `[..., ceil(N/128), ceil(K/128)] float32`, as `quantize_fp8_weight`.
+    w_q_t: `[..., K, N] float8_e4m3fn`, ``swapaxes(w_q, -1, -2)``.
+    w_sf_t: `[..., ceil(K/128), ceil(N/128)] float32`, ``swapaxes(w_sf, -1, -2)``.
+
+  Raises:
+    TypeError: w is not bfloat16, float16 or float32.
+    ValueError: w has fewer than 2 dims, or N or K is 0.
+  """
+  # Type and shape checks
+  op = "quantize_fp8_weight_with_transpose"
+  _check_float_input(op, "w", w)
+  _weight_dims(op, w, "w")
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    *batch, n, k = w.shape
+    gpu_ok = (k * jnp.dtype(w.dtype).itemsize) % 16 == 0 and n % 16 == 0 and -(-n // FP8_BLOCK) <= 65535 and \
+        math.prod(batch) <= 65535
+    if gpu_ok or jax.default_backend() != "gpu":
+      out = (jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32),
+             jax.ShapeDtypeStruct((*batch, k, n), jnp.float8_e4m3fn))
+      w_q, w_sf, w_q_t = _ffi.ffi_call("quantize_fp8_weight_with_transpose", out, w)
+      return w_q, w_sf, w_q_t, jnp.swapaxes(w_sf, -1, -2)
+    if impl == "ffi":
+      raise ValueError(f"{op}: impl='ffi' on GPUs needs K a multiple of 16 bytes of w, N a multiple of 16, "
+                       f"ceil(N/128) <= 65535 and at most 65535 matrices, got shape {tuple(w.shape)} of "
+                       f"{jnp.dtype(w.dtype).name}")
+  return quantize_fp8_weight_with_transpose_reference(w)
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_fp8_weight_reference(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_fp8_weight` (no argument checks)."""

@@ -10,6 +10,7 @@
 // By op: quant.cc, a2a.cc, grouped_gemm.cc, rows.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
@@ -22,6 +23,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aSumRowsCpu);
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);

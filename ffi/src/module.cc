@@ -38,6 +38,8 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         py::dict cpu;
         cpu["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCpu);
         cpu["jax_moe_a2a_quantize_fp8_weight"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightCpu);
+        cpu["jax_moe_a2a_quantize_fp8_weight_with_transpose"] =
+            jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightWithTransposeCpu);
         cpu["jax_moe_a2a_quantize_fp8_grouped_kmajor"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8GroupedKmajorCpu);
         cpu["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCpu);
         cpu["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCpu);
@@ -52,6 +54,8 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         py::dict cuda;
         cuda["jax_moe_a2a_quantize_fp8_blockwise"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8BlockwiseCuda);
         cuda["jax_moe_a2a_quantize_fp8_weight"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightCuda);
+        cuda["jax_moe_a2a_quantize_fp8_weight_with_transpose"] =
+            jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda);
         cuda["jax_moe_a2a_quantize_fp8_grouped_kmajor"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8GroupedKmajorCuda);
         cuda["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCuda);
         cuda["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCuda);

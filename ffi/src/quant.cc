@@ -1,11 +1,12 @@
 // quant.cc -- handlers of jax_moe_a2a_quantize_fp8_blockwise (1x128 groups of activation rows),
-// jax_moe_a2a_quantize_fp8_weight (128x128 blocks of weights) and jax_moe_a2a_quantize_fp8_grouped_kmajor (128x1
+// jax_moe_a2a_quantize_fp8_weight[_with_transpose] (128x128 blocks of weights) and jax_moe_a2a_quantize_fp8_grouped_kmajor (128x1
 // tiles of each group's tokens, transposed), CPU, and CUDA when built with it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -22,6 +23,7 @@ namespace {
 
 constexpr char kOp[] = "jax_moe_a2a_quantize_fp8_blockwise";
 constexpr char kWeightOp[] = "jax_moe_a2a_quantize_fp8_weight";
+constexpr char kWeightTOp[] = "jax_moe_a2a_quantize_fp8_weight_with_transpose";
 constexpr char kKmajorOp[] = "jax_moe_a2a_quantize_fp8_grouped_kmajor";
 constexpr int64_t kMaxKmajorGroups = 65535;
 
@@ -76,34 +78,48 @@ struct WeightShape {
   int64_t batch = 1, n = 0, k = 0;
 };
 
+// w_q_t: the transposed codes [..., K, N] of quantize_fp8_weight_with_transpose, or null.
 ffi::Error CheckQuantizeWeight(const ffi::AnyBuffer& w, const ffi::Result<ffi::AnyBuffer>& w_q,
-                               const ffi::Result<ffi::Buffer<ffi::F32>>& w_sf, WeightShape* s) {
+                               const ffi::Result<ffi::Buffer<ffi::F32>>& w_sf, const ffi::AnyBuffer* w_q_t,
+                               WeightShape* s) {
+  const char* op = w_q_t == nullptr ? kWeightOp : kWeightTOp;
   const auto dt = w.element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
-    return InvalidArg(kWeightOp, "w", "bfloat16, float16 or float32", DataTypeName(dt));
+    return InvalidArg(op, "w", "bfloat16, float16 or float32", DataTypeName(dt));
   }
   const auto dims = w.dimensions();
   if (dims.size() < 2 || dims[dims.size() - 1] == 0 || dims[dims.size() - 2] == 0) {
-    return InvalidArg(kWeightOp, "w", "[..., N, K] with N, K > 0", DimsToString(dims));
+    return InvalidArg(op, "w", "[..., N, K] with N, K > 0", DimsToString(dims));
   }
   s->n = dims[dims.size() - 2];
   s->k = dims[dims.size() - 1];
   s->batch = 1;
   for (size_t i = 0; i + 2 < dims.size(); ++i) s->batch *= dims[i];
   if (w_q->element_type() != ffi::DataType::F8E4M3FN) {
-    return InvalidArg(kWeightOp, "w_q", "float8_e4m3fn", DataTypeName(w_q->element_type()));
+    return InvalidArg(op, "w_q", "float8_e4m3fn", DataTypeName(w_q->element_type()));
   }
   const auto q_dims = w_q->dimensions();
   if (q_dims.size() != dims.size() || !std::equal(q_dims.begin(), q_dims.end(), dims.begin())) {
-    return InvalidArg(kWeightOp, "w_q", "w's shape " + DimsToString(dims), DimsToString(q_dims));
+    return InvalidArg(op, "w_q", "w's shape " + DimsToString(dims), DimsToString(q_dims));
   }
   const auto sf_dims = w_sf->dimensions();
   const int64_t nb = (s->n + kGroup - 1) / kGroup, kb = (s->k + kGroup - 1) / kGroup;
   bool sf_ok = sf_dims.size() == dims.size() && sf_dims[dims.size() - 2] == nb && sf_dims[dims.size() - 1] == kb;
   for (size_t i = 0; sf_ok && i + 2 < dims.size(); ++i) sf_ok = sf_dims[i] == dims[i];
   if (!sf_ok) {
-    return InvalidArg(kWeightOp, "w_sf", "[..., ceil(N/128), ceil(K/128)] = [..., " + std::to_string(nb) + ", " +
+    return InvalidArg(op, "w_sf", "[..., ceil(N/128), ceil(K/128)] = [..., " + std::to_string(nb) + ", " +
                                              std::to_string(kb) + "]", DimsToString(sf_dims));
+  }
+  if (w_q_t != nullptr) {
+    if (w_q_t->element_type() != ffi::DataType::F8E4M3FN) {
+      return InvalidArg(op, "w_q_t", "float8_e4m3fn", DataTypeName(w_q_t->element_type()));
+    }
+    std::vector<int64_t> t_dims(dims.begin(), dims.end());
+    std::swap(t_dims[dims.size() - 2], t_dims[dims.size() - 1]);
+    const auto qt_dims = w_q_t->dimensions();
+    if (qt_dims.size() != t_dims.size() || !std::equal(qt_dims.begin(), qt_dims.end(), t_dims.begin())) {
+      return InvalidArg(op, "w_q_t", "[..., K, N] = " + DimsToString(t_dims), DimsToString(qt_dims));
+    }
   }
   return ffi::Error::Success();
 }
@@ -251,8 +267,10 @@ void QuantizeRows(ToFloat to_float, int64_t m, int64_t k, bool swiglu, uint8_t* 
 }
 
 // 128x128 blocks of w [batch, n, k]: each block's values (those that exist at the edges) share one scale.
+// w_q_t, when not null, receives the codes transposed: [batch, k, n].
 template <typename Load>
-void QuantizeWeightBlocks(Load load, int64_t batch, int64_t n, int64_t k, uint8_t* w_q, float* w_sf) {
+void QuantizeWeightBlocks(Load load, int64_t batch, int64_t n, int64_t k, uint8_t* w_q, float* w_sf,
+                          uint8_t* w_q_t) {
   const int64_t nb = (n + kGroup - 1) / kGroup, kb = (k + kGroup - 1) / kGroup;
   std::vector<float> v(kGroup * kGroup);
   std::vector<uint8_t> codes(kGroup * kGroup);
@@ -266,6 +284,11 @@ void QuantizeWeightBlocks(Load load, int64_t batch, int64_t n, int64_t k, uint8_
         }
         w_sf[(b * nb + i) * kb + j] = EncodeGroup(v.data(), rows * cols, codes.data());
         for (int64_t r = 0; r < rows; ++r) std::memcpy(w_q + base + r * k, codes.data() + r * cols, cols);
+        if (w_q_t == nullptr) continue;
+        for (int64_t c = 0; c < cols; ++c) {
+          uint8_t* dst = w_q_t + (b * k + j * kGroup + c) * n + i * kGroup;
+          for (int64_t r = 0; r < rows; ++r) dst[r] = codes[r * cols + c];
+        }
       }
     }
   }
@@ -297,30 +320,42 @@ ffi::Error QuantizeFp8BlockwiseCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeFp8WeightCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> w_q,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> w_sf) {
+ffi::Error QuantizeWeightCpu(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& w_q,
+                             ffi::Result<ffi::Buffer<ffi::F32>>& w_sf, ffi::AnyBuffer* w_q_t) {
   WeightShape s;
-  if (auto err = CheckQuantizeWeight(w, w_q, w_sf, &s); err.failure()) return err;
+  if (auto err = CheckQuantizeWeight(w, w_q, w_sf, w_q_t, &s); err.failure()) return err;
   auto* q = reinterpret_cast<uint8_t*>(w_q->untyped_data());
   float* sf = w_sf->typed_data();
+  auto* q_t = w_q_t == nullptr ? nullptr : reinterpret_cast<uint8_t*>(w_q_t->untyped_data());
   switch (w.element_type()) {
     case ffi::DataType::BF16: {
       const auto* p = reinterpret_cast<const uint16_t*>(w.untyped_data());
-      QuantizeWeightBlocks([p](int64_t i) { return Bf16BitsToFloat(p[i]); }, s.batch, s.n, s.k, q, sf);
+      QuantizeWeightBlocks([p](int64_t i) { return Bf16BitsToFloat(p[i]); }, s.batch, s.n, s.k, q, sf, q_t);
       break;
     }
     case ffi::DataType::F16: {
       const auto* p = reinterpret_cast<const uint16_t*>(w.untyped_data());
-      QuantizeWeightBlocks([p](int64_t i) { return F16ToFloat(p[i]); }, s.batch, s.n, s.k, q, sf);
+      QuantizeWeightBlocks([p](int64_t i) { return F16ToFloat(p[i]); }, s.batch, s.n, s.k, q, sf, q_t);
       break;
     }
     default: {
       const auto* p = reinterpret_cast<const float*>(w.untyped_data());
-      QuantizeWeightBlocks([p](int64_t i) { return p[i]; }, s.batch, s.n, s.k, q, sf);
+      QuantizeWeightBlocks([p](int64_t i) { return p[i]; }, s.batch, s.n, s.k, q, sf, q_t);
       break;
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error QuantizeFp8WeightCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> w_q,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> w_sf) {
+  return QuantizeWeightCpu(w, w_q, w_sf, nullptr);
+}
+
+ffi::Error QuantizeFp8WeightWithTransposeCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> w_q,
+                                                 ffi::Result<ffi::Buffer<ffi::F32>> w_sf,
+                                                 ffi::Result<ffi::AnyBuffer> w_q_t) {
+  return QuantizeWeightCpu(w, w_q, w_sf, &*w_q_t);
 }
 
 // Per block j of 128 columns of the K-major layout: blocks[2j] = its first source row, blocks[2j + 1] = how many of
@@ -421,14 +456,17 @@ ffi::Error QuantizeFp8BlockwiseCudaImpl(cudaStream_t stream, int32_t device, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeFp8WeightCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer w,
-                                     ffi::Result<ffi::AnyBuffer> w_q, ffi::Result<ffi::Buffer<ffi::F32>> w_sf) {
+ffi::Error QuantizeWeightCuda(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& w,
+                              ffi::Result<ffi::AnyBuffer>& w_q, ffi::Result<ffi::Buffer<ffi::F32>>& w_sf,
+                              ffi::AnyBuffer* w_q_t) {
   WeightShape s;
-  if (auto err = CheckQuantizeWeight(w, w_q, w_sf, &s); err.failure()) return err;
+  if (auto err = CheckQuantizeWeight(w, w_q, w_sf, w_q_t, &s); err.failure()) return err;
+  const char* op = w_q_t == nullptr ? kWeightOp : kWeightTOp;
   const int64_t vec = 16 / static_cast<int64_t>(ffi::ByteWidth(w.element_type()));
-  if (s.k % vec != 0) return InvalidArg(kWeightOp, "K on the GPU", "a multiple of " + std::to_string(vec), s.k);
+  if (s.k % vec != 0) return InvalidArg(op, "K on the GPU", "a multiple of " + std::to_string(vec), s.k);
+  if (w_q_t != nullptr && s.n % 16 != 0) return InvalidArg(op, "N on the GPU", "a multiple of 16", s.n);
   if ((s.n + kGroup - 1) / kGroup > 65535 || s.batch > 65535) {
-    return InvalidArg(kWeightOp, "w on the GPU", "ceil(N/128) <= 65535 and a batch of at most 65535",
+    return InvalidArg(op, "w on the GPU", "ceil(N/128) <= 65535 and a batch of at most 65535",
                       DimsToString(w.dimensions()));
   }
   InputType type = InputType::kF32;
@@ -436,10 +474,22 @@ ffi::Error QuantizeFp8WeightCudaImpl(cudaStream_t stream, int32_t device, ffi::A
   if (w.element_type() == ffi::DataType::F16) type = InputType::kF16;
   ScopedDevice on(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8Weight(stream, type, w.untyped_data(),
-                                                           reinterpret_cast<uint8_t*>(w_q->untyped_data()),
-                                                           w_sf->typed_data(), s.batch, s.n, s.k));
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8Weight(
+      stream, type, w.untyped_data(), reinterpret_cast<uint8_t*>(w_q->untyped_data()), w_sf->typed_data(),
+      w_q_t == nullptr ? nullptr : reinterpret_cast<uint8_t*>(w_q_t->untyped_data()), s.batch, s.n, s.k));
   return ffi::Error::Success();
+}
+
+ffi::Error QuantizeFp8WeightCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer w,
+                                     ffi::Result<ffi::AnyBuffer> w_q, ffi::Result<ffi::Buffer<ffi::F32>> w_sf) {
+  return QuantizeWeightCuda(stream, device, w, w_q, w_sf, nullptr);
+}
+
+ffi::Error QuantizeFp8WeightWithTransposeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer w,
+                                                  ffi::Result<ffi::AnyBuffer> w_q,
+                                                  ffi::Result<ffi::Buffer<ffi::F32>> w_sf,
+                                                  ffi::Result<ffi::AnyBuffer> w_q_t) {
+  return QuantizeWeightCuda(stream, device, w, w_q, w_sf, &*w_q_t);
 }
 ffi::Error QuantizeFp8GroupedKmajorCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                             ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> group_sizes,
@@ -498,6 +548,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda, jax_moe_a2a::Quant
                                   .Arg<xla::ffi::AnyBuffer>()                     // w
                                   .Ret<xla::ffi::AnyBuffer>()                     // w_q
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),        // w_sf
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCpu,
+                              jax_moe_a2a::QuantizeFp8WeightWithTransposeCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // w
+                                  .Ret<xla::ffi::AnyBuffer>()                  // w_q
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // w_sf
+                                  .Ret<xla::ffi::AnyBuffer>());                // w_q_t
+
+#ifdef JAX_MOE_A2A_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda,
+                              jax_moe_a2a::QuantizeFp8WeightWithTransposeCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // w
+                                  .Ret<xla::ffi::AnyBuffer>()                     // w_q
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // w_sf
+                                  .Ret<xla::ffi::AnyBuffer>(),                    // w_q_t
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif
 

@@ -18,7 +18,8 @@
 //     stores its 16 codes of each column as one 16-byte piece of a q_t row. Every input byte is read once.
 //   - 128x128 weight blocks: one thread block per tile; each thread loads its 16-byte pieces of the tile's rows,
 //     the tile's amax is reduced over the warp and then the block (shared memory), and each thread encodes and
-//     stores its own pieces: one read of the weights, one write of the codes.
+//     stores its own pieces: one read of the weights, one write of the codes (two when the transposed codes are
+//     written too, through a shared-memory tile).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -232,10 +233,16 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
 // loads its kPasses 16-byte pieces (rows threadIdx.x / kLanes + pass * kRowsPerPass, columns from lane * kVec),
 // the tile's amax and finiteness are reduced over the warp and then over the block through shared memory, and
 // each thread converts and stores its own pieces. Pieces past n or k are neither loaded nor stored.
-template <typename T>
+//
+// With kTransposed, the codes are also written as w_q_t [batch, k, n] (n % 16 == 0): each thread's codes go to a
+// shared 128x128 tile, then each thread reads a 16-row x 4-column piece of it as sixteen 4-byte words (a warp reads
+// whole tile rows: no bank conflicts), transposes it in registers with byte permutes, and writes four 16-byte
+// pieces of w_q_t rows. The weights are still read once.
+template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __restrict__ w,
                                                                     uint8_t* __restrict__ w_q,
-                                                                    float* __restrict__ w_sf, int64_t n,
+                                                                    float* __restrict__ w_sf,
+                                                                    uint8_t* __restrict__ w_q_t, int64_t n,
                                                                     int64_t k) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = kGroup / kVec;            // threads per tile row: 16 (2-byte input) or 32 (float32)
@@ -285,6 +292,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   }
 
   float scale = 0.0f;
+  __shared__ __align__(16) uint8_t tile[kTransposed ? kGroup * kGroup : 1];
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t row = row0 + p * kRowsPerPass;
@@ -293,16 +301,51 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
     uint8_t bytes[kVec];
     scale = EncodePiece<kVec>(v, amax, finite, bytes);
     if (row < n && col < k) StoreBytes<kVec>(dst + row * k + col, bytes);
+    if constexpr (kTransposed) {
+      const int tile_row = threadIdx.x / kLanes + p * kRowsPerPass, tile_col = (threadIdx.x % kLanes) * kVec;
+      StoreBytes<kVec>(tile + tile_row * kGroup + tile_col, bytes);
+    }
   }
   if (threadIdx.x == 0) w_sf[(batch * gridDim.y + nb) * gridDim.x + kb] = scale;
+  if constexpr (kTransposed) {
+    __syncthreads();
+    const int c0 = (threadIdx.x % 32) * 4, r0 = (threadIdx.x / 32) * 16;
+    uint32_t out[4][4];  // [column c0 + j][rows r0 + 4g .. r0 + 4g + 3]
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      uint32_t a[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const uint32_t*>(tile + (r0 + 4 * g + i) * kGroup + c0);
+      const uint32_t lo01 = __byte_perm(a[0], a[1], 0x5140), lo23 = __byte_perm(a[2], a[3], 0x5140);
+      const uint32_t hi01 = __byte_perm(a[0], a[1], 0x7362), hi23 = __byte_perm(a[2], a[3], 0x7362);
+      out[0][g] = __byte_perm(lo01, lo23, 0x5410);
+      out[1][g] = __byte_perm(lo01, lo23, 0x7632);
+      out[2][g] = __byte_perm(hi01, hi23, 0x5410);
+      out[3][g] = __byte_perm(hi01, hi23, 0x7632);
+    }
+    const int64_t out_col = nb * kGroup + r0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t out_row = kb * kGroup + c0 + j;
+      if (out_row < k && out_col < n) {
+        *reinterpret_cast<uint4*>(w_q_t + (batch * k + out_row) * n + out_col) =
+            make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+      }
+    }
+  }
 }
 
 template <typename T>
-cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float* w_sf, int64_t batch, int64_t n,
-                         int64_t k) {
+cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float* w_sf, uint8_t* w_q_t,
+                         int64_t batch, int64_t n, int64_t k) {
   const dim3 grid(static_cast<unsigned>((k + kGroup - 1) / kGroup), static_cast<unsigned>((n + kGroup - 1) / kGroup),
                   static_cast<unsigned>(batch));
-  QuantizeFp8WeightKernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(w), w_q, w_sf, n, k);
+  const auto* wt = static_cast<const T*>(w);
+  if (w_q_t != nullptr) {
+    QuantizeFp8WeightKernel<T, true><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, w_q_t, n, k);
+  } else {
+    QuantizeFp8WeightKernel<T, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, nullptr, n, k);
+  }
   return cudaGetLastError();
 }
 
@@ -484,13 +527,14 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
 }
 
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
-                                    int64_t batch, int64_t n, int64_t k) {
+                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k) {
   if (batch == 0 || n == 0 || k == 0) return cudaSuccess;
-  if ((k + kGroup - 1) / kGroup > 0x7FFFFFFF || (n + kGroup - 1) / kGroup > 65535 || batch > 65535) {
+  if ((k + kGroup - 1) / kGroup > 0x7FFFFFFF || (n + kGroup - 1) / kGroup > 65535 || batch > 65535 ||
+      (w_q_t != nullptr && n % 16 != 0)) {
     return cudaErrorInvalidValue;
   }
   return WithInputType(type, [&](auto tag) {
-    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, batch, n, k);
+    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, w_q_t, batch, n, k);
   });
 }
 

@@ -17,9 +17,10 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
 
 // w [batch, n, k] (k % (16 / element size) == 0) -> w_q [batch, n, k] E4M3 bytes and w_sf float32
 // [batch, ceil(n/128), ceil(k/128)], one scale per 128x128 block (edge blocks: the values that exist). Needs
-// ceil(n/128) <= 65535 and batch <= 65535.
+// ceil(n/128) <= 65535 and batch <= 65535. When w_q_t is not null (then n % 16 == 0), the same codes are also
+// written transposed, w_q_t [batch, k, n].
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
-                                    int64_t batch, int64_t n, int64_t k);
+                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k);
 
 // Grouped K-major quantization (quant.quantize_fp8_grouped_kmajor): x [m, c] rows sorted by group (c % 128 == 0),
 // of `type`, or E4M3 codes decoded with their 1x128 scales x_sf [m, c/128] when x_sf is not null (type is then
