@@ -36,7 +36,7 @@ _PUBLIC = {
     # routing
     "RouterConfig": "routing", "route": "routing", "INVALID_EXPERT": "routing",
     # expert math
-    "ExpertWeights": "experts", "grouped_gemm_fp8": "grouped_gemm", "grouped_gemm_bf16": "grouped_gemm",
+    "ExpertWeights": "expert_mlp", "grouped_gemm_fp8": "grouped_gemm", "grouped_gemm_bf16": "grouped_gemm",
     # quantization
     "quantize": "quant", "dequantize": "quant", "quantize_fp8_blockwise": "quant",
     "dequantize_fp8_blockwise": "quant", "quantize_fp8_weight": "quant", "dequantize_fp8_weight": "quant",

@@ -1,15 +1,9 @@
-"""The expert stage on the receive layout of dispatch: permute by local expert, SwiGLU MLP, weighted un-permute.
+"""The expert stage on the receive layout of dispatch: permute by local expert, grouped SwiGLU MLP, weighted
+un-permute.
 
-Pure JAX. Expert weights use the "NT" layout of the grouped GEMM kernels (DeepGEMM's and CUTLASS's): each
-expert's matrix is [N, K] with K (the contraction) contiguous, so an FP8 weight's 128x128 block scales are
-[N/128, K/128]:
-
-- ``w_gate_up`` [num_local_experts, 2 * ffn, hidden]: rows [0, ffn) are the gate projection, rows
-  [ffn, 2 * ffn) the up projection;
-- ``w_down``    [num_local_experts, hidden, ffn].
-
-An expert computes ``down(silu(gate(x)) * up(x))``; the stage returns, per received row, the sum over that row's
-local experts of weight * expert(x), accumulated in float32 in top-k order — the combine payload.
+Pure JAX. The stage returns, per received row, the sum over that row's local experts of weight * expert(x),
+accumulated in float32 in top-k order: the combine payload. The MLPs themselves, and the weights' layout, are
+`expert_mlp`'s; on the grouped GEMMs the three steps are one custom VJP (`_expert_pass`), elsewhere three.
 """
 
 from __future__ import annotations
@@ -23,600 +17,10 @@ import jax.numpy as jnp
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_moe_a2a import grouped_gemm, ordering, quant, routing
+from jax_moe_a2a import expert_mlp, grouped_gemm, ordering, quant, routing
 from jax_moe_a2a import rows as row_ops
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ExpertWeights:
-  """SwiGLU weights of the local experts, BF16/FP32, or FP8 E4M3 with FP32 128x128 block scales.
-
-  Attributes:
-    w_gate_up: [num_local_experts, 2 * ffn, hidden] (bfloat16, float32 or float8_e4m3fn).
-    w_down: [num_local_experts, hidden, ffn], same dtype family.
-    w_gate_up_sf: for FP8 weights, [num_local_experts, ceil(2 * ffn / 128), ceil(hidden / 128)] float32.
-    w_down_sf: for FP8 weights, [num_local_experts, ceil(hidden / 128), ceil(ffn / 128)] float32.
-  """
-
-  w_gate_up: jax.Array
-  w_down: jax.Array
-  w_gate_up_sf: Optional[jax.Array] = None
-  w_down_sf: Optional[jax.Array] = None
-
-  @property
-  def is_fp8(self) -> bool:
-    return self.w_gate_up_sf is not None
-
-  @classmethod
-  def quantize(cls, w_gate_up: jax.Array, w_down: jax.Array) -> "ExpertWeights":
-    """FP8 E4M3 weights with one FP32 scale per 128x128 block, from BF16/FP32 ones."""
-    gu, gu_sf = quant.quantize_fp8_weight(w_gate_up)
-    dn, dn_sf = quant.quantize_fp8_weight(w_down)
-    return cls(gu, dn, gu_sf, dn_sf)
-
-  def dequantized(self, dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
-    """(w_gate_up, w_down) as `dtype`."""
-    if not self.is_fp8:
-      return self.w_gate_up.astype(dtype), self.w_down.astype(dtype)
-    return (quant.dequantize_fp8_weight(self.w_gate_up, self.w_gate_up_sf, dtype=dtype),
-            quant.dequantize_fp8_weight(self.w_down, self.w_down_sf, dtype=dtype))
-
-
-def _check_weights(op: str, weights: ExpertWeights, hidden: int) -> tuple[int, int]:
-  gu, dn = weights.w_gate_up, weights.w_down
-  if gu.ndim != 3 or gu.shape[1] % 2 or gu.shape[2] != hidden:
-    raise ValueError(f"{op}: w_gate_up must be [num_local_experts, 2 * ffn, hidden={hidden}], got {gu.shape}")
-  num_local_experts, ffn = gu.shape[0], gu.shape[1] // 2
-  if dn.shape != (num_local_experts, hidden, ffn):
-    raise ValueError(f"{op}: w_down must be [num_local_experts, hidden, ffn] = {(num_local_experts, hidden, ffn)}, "
-                     f"got {dn.shape}")
-  if (weights.w_gate_up_sf is None) != (weights.w_down_sf is None):
-    raise ValueError(f"{op}: FP8 weights need both w_gate_up_sf and w_down_sf, got only one")
-  return num_local_experts, ffn
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Grouped matmul in row tiles (the CPU path)
-# ----------------------------------------------------------------------------------------------------------------
-
-# Rows per tile of the tiled grouped MLP.
-GROUP_TILE = 128
-METHODS = ("auto", "ragged_dot", "tiled")
-
-
-def _tiles(group_sizes: jax.Array, tile: int):
-  """First row and tile count of each group: group g covers rows [start[g], start[g] + group_sizes[g])."""
-  sizes = group_sizes.astype(jnp.int32)
-  start = jnp.cumsum(sizes) - sizes
-  return sizes, start, (sizes + tile - 1) // tile
-
-
-def _for_each_tile(group_sizes, tile, group_fn, tile_fn, carry):
-  """Visits, group by group in ascending order, the tiles ``[start[g] + j * tile, ... + tile)`` of each group.
-
-  Trip counts are run-time values, so only tiles that hold rows are visited. ``group_fn(g)`` is evaluated once
-  per group (it slices the group's weights); ``tile_fn(g, ctx, row0, valid, carry)`` gets its result, the
-  tile's first row and a [tile] mask of the rows that belong to group g.
-  """
-  num_groups = group_sizes.shape[0]
-  sizes, start, count = _tiles(group_sizes, tile)
-
-  def group(g, carry):
-    ctx = group_fn(g)
-    end = start[g] + sizes[g]
-
-    def one(j, carry):
-      row0 = start[g] + j * tile
-      valid = row0 + jnp.arange(tile, dtype=jnp.int32) < end
-      return tile_fn(g, ctx, row0, valid, carry)
-
-    return jax.lax.fori_loop(0, count[g], one, carry)
-
-  return jax.lax.fori_loop(0, num_groups, group, carry)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _swiglu_tiled(x, group_sizes, w_gate_up, w_down, compute_dtype, tile):
-  """The grouped SwiGLU MLP, one tile of rows at a time (see `swiglu_mlp_xla`, method "tiled").
-
-  A group's last tile runs past its rows into the next group's; since groups go in ascending order, the next
-  group rewrites those rows, and rows past sum(group_sizes) are zeroed at the end. x is padded by one tile so
-  that no slice is ever clamped.
-  """
-  return _swiglu_tiled_fwd(x, group_sizes, w_gate_up, w_down, compute_dtype, tile)[0]
-
-
-def _swiglu_tile(xt, w_gu_t):
-  """Gate and up projections of one tile, [tile, ffn] float32 each."""
-  h = jnp.dot(xt, w_gu_t, preferred_element_type=jnp.float32)  # [tile, 2 ffn]
-  ffn = h.shape[1] // 2
-  return h[:, :ffn], h[:, ffn:]
-
-
-def _swiglu_tiled_fwd(x, group_sizes, w_gate_up, w_down, compute_dtype, tile):
-  num_rows, hidden = x.shape
-  x_pad = jnp.concatenate([x.astype(compute_dtype), jnp.zeros((tile, hidden), compute_dtype)])
-
-  def group_fn(g):  # per group: weights as [K, N] operands, sliced and transposed once
-    return w_gate_up[g].T, w_down[g].T
-
-  def tile_fn(g, ctx, row0, valid, y):
-    del g, valid
-    w_gu_t, w_dn_t = ctx
-    gate, up = _swiglu_tile(jax.lax.dynamic_slice_in_dim(x_pad, row0, tile), w_gu_t)
-    act = (jax.nn.silu(gate) * up).astype(compute_dtype)
-    yt = jnp.dot(act, w_dn_t, preferred_element_type=jnp.float32)
-    return jax.lax.dynamic_update_slice_in_dim(y, yt, row0, axis=0)
-
-  y = _for_each_tile(group_sizes, tile, group_fn, tile_fn, jnp.zeros((num_rows + tile, hidden), jnp.float32))
-  live = jnp.arange(num_rows) < jnp.sum(group_sizes)
-  return jnp.where(live[:, None], y[:num_rows], 0.0), (x, group_sizes, w_gate_up, w_down)
-
-
-def _swiglu_tiled_bwd(compute_dtype, tile, res, ct):
-  x, group_sizes, w_gate_up, w_down = res
-  num_rows, hidden = x.shape
-  f32 = jnp.float32
-  x_pad = jnp.concatenate([x.astype(compute_dtype), jnp.zeros((tile, hidden), compute_dtype)])
-  ct_pad = jnp.concatenate([ct.astype(f32), jnp.zeros((tile, hidden), f32)])
-
-  def group_fn(g):
-    return w_gate_up[g].astype(compute_dtype), w_down[g].astype(compute_dtype)
-
-  def tile_fn(g, ctx, row0, valid, carry):
-    dx, dw_gu, dw_dn = carry
-    w_gu, w_dn = ctx  # [2 ffn, hidden], [hidden, ffn]
-    # Rows of the next group (or past the end) must not reach this group's weight gradients: their values, not only
-    # their cotangents, are zeroed, and so are the products made from them (0 * NaN is NaN), so a NaN or an
-    # infinity in one group's rows or weights stays in that group's gradients.
-    mine = valid[:, None]
-    xt = jnp.where(mine, jax.lax.dynamic_slice_in_dim(x_pad, row0, tile), 0)
-    ct_t = jnp.where(mine, jax.lax.dynamic_slice_in_dim(ct_pad, row0, tile), 0.0)
-    gate, up = _swiglu_tile(xt, w_gu.T)  # recomputed rather than stored
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    act = jnp.where(mine, silu * up, 0.0).astype(compute_dtype)
-    d_act = jnp.dot(ct_t, w_dn.astype(f32))  # [tile, ffn]
-    dw_dn = dw_dn.at[g].add(jax.lax.dot_general(ct_t, act.astype(f32), (((0,), (0,)), ((), ()))))
-    dh = jnp.concatenate([d_act * up * (sig + silu * (1.0 - sig)), d_act * silu], axis=1)  # [tile, 2 ffn]
-    dh = jnp.where(mine, dh, 0.0)
-    dw_gu = dw_gu.at[g].add(jax.lax.dot_general(dh, xt.astype(f32), (((0,), (0,)), ((), ()))))
-    dxt = jnp.where(mine, jnp.dot(dh, w_gu.astype(f32)), 0.0)
-    return jax.lax.dynamic_update_slice_in_dim(dx, dxt, row0, axis=0), dw_gu, dw_dn
-
-  init = (jnp.zeros((num_rows + tile, hidden), f32), jnp.zeros(w_gate_up.shape, f32), jnp.zeros(w_down.shape, f32))
-  dx, dw_gu, dw_dn = _for_each_tile(group_sizes, tile, group_fn, tile_fn, init)
-  return dx[:num_rows].astype(x.dtype), None, dw_gu.astype(w_gate_up.dtype), dw_dn.astype(w_down.dtype)
-
-
-_swiglu_tiled.defvjp(_swiglu_tiled_fwd, _swiglu_tiled_bwd)
-
-
-def _swiglu_ragged_dot(x, group_sizes, w_gate_up, w_down, compute_dtype):
-  # grouped_matmul_reference rather than jax.lax.ragged_dot itself: XLA's expansion of ragged_dot spreads a NaN in
-  # one group's weights to every row.
-  ffn = w_down.shape[-1]
-  h = grouped_gemm.grouped_matmul_reference(x.astype(compute_dtype), jnp.swapaxes(w_gate_up, 1, 2), group_sizes,
-                                            preferred_element_type=jnp.float32)
-  act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-  return grouped_gemm.grouped_matmul_reference(act.astype(compute_dtype), jnp.swapaxes(w_down, 1, 2), group_sizes,
-                                               preferred_element_type=jnp.float32)
-
-
-def swiglu_mlp_xla(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                   compute_dtype=jnp.bfloat16, method: str = "auto") -> jax.Array:
-  """Grouped SwiGLU MLP over rows sorted by expert, on XLA's own matmuls in any compute dtype: the expert path of
-  float32 and float16 compute (bfloat16 takes `swiglu_mlp_bf16`'s grouped GEMMs), and their oracle.
-
-  Two implementations with the same semantics (float32 accumulation, the activation rounded to
-  `compute_dtype` before the down projection):
-
-  - ``"ragged_dot"``: the product of `jax.lax.ragged_dot`, as `grouped_gemm.grouped_matmul_reference` computes it:
-    a dense matmul per group (num_groups times the work, as XLA's own expansion of ragged_dot on CPU and GPU),
-    each group's rows selected, so a non-finite value in one group's weights reaches no other group's rows.
-  - ``"tiled"``: a loop over the groups and, within each, over tiles of `GROUP_TILE` rows runs the whole MLP
-    per tile with the group's weights; its trip counts are run-time values, so the work is that of the real
-    rows plus at most one tile per group. The backward pass (a custom VJP) is tiled the same way; the rows a
-    tile holds of the next group are zeroed (values and products), so they reach no weight gradient but their own.
-  - ``"auto"``: ``"tiled"`` on CPU, ``"ragged_dot"`` elsewhere (chosen when lowering, per platform).
-
-  Args:
-    x: [num_rows, hidden] rows sorted by local expert (bfloat16 or float32; FP8 inputs are dequantized by the
-      caller). Rows past sum(group_sizes) give zero.
-    group_sizes: [num_local_experts] int32, rows of each expert, in order.
-    weights: the local experts' weights (BF16 or FP8; FP8 is dequantized to `compute_dtype` first).
-    compute_dtype: operand dtype of the matmuls; they accumulate in float32.
-    method: ``"auto"``, ``"ragged_dot"`` or ``"tiled"``.
-
-  Returns:
-    [num_rows, hidden] float32.
-  """
-  op = "swiglu_mlp_xla"
-  _check_weights(op, weights, x.shape[-1])
-  if method not in METHODS:
-    raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}, got {method!r}")
-  w_gate_up, w_down = weights.dequantized(compute_dtype)
-  args = (x, group_sizes, w_gate_up, w_down, compute_dtype)
-  tile = min(GROUP_TILE, -(-max(x.shape[0], 1) // 8) * 8)
-  tiled = lambda *a: _swiglu_tiled(*a, compute_dtype, tile)
-  ragged = lambda *a: _swiglu_ragged_dot(*a, compute_dtype)
-  if method == "tiled":
-    return tiled(*args[:4])
-  if method == "ragged_dot":
-    return ragged(*args[:4])
-  return jax.lax.platform_dependent(*args[:4], cpu=tiled, default=ragged)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The bf16 expert MLP on the grouped GEMM
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _swiglu(h: jax.Array) -> jax.Array:
-  """silu(gate) * up of gate/up rows h [..., 2 ffn], in float32."""
-  ffn = h.shape[-1] // 2
-  gate, up = h[..., :ffn].astype(jnp.float32), h[..., ffn:].astype(jnp.float32)
-  return jax.nn.silu(gate) * up
-
-
-def _swiglu_bwd(h: jax.Array, d_act: jax.Array) -> jax.Array:
-  """The cotangent of h [..., 2 ffn] from that of silu(gate) * up, float32."""
-  ffn = h.shape[-1] // 2
-  gate, up = h[..., :ffn].astype(jnp.float32), h[..., ffn:].astype(jnp.float32)
-  d_act = d_act.astype(jnp.float32)
-  sig = jax.nn.sigmoid(gate)
-  silu = gate * sig
-  return jnp.concatenate([d_act * up * (sig + silu * (1.0 - sig)), d_act * silu], axis=-1)
-
-
-def _mlp_backward_bf16(impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype):
-  """Cotangents (dx, dw_gate_up, dw_down) of the grouped SwiGLU MLP on bfloat16 operands.
-
-  Four grouped GEMMs: d_act = ct @ w_down and dx = dh @ w_gate_up (data gradients, weights read in place), and
-  dw_down = ct^T act, dw_gate_up = dh^T x (weight gradients contracted over each expert's rows in float32, written
-  as `wgrad_dtype`; None: no weight gradients, (dx, None, None)).
-  """
-  bf16 = jnp.bfloat16
-  ct = ct.astype(bf16)
-  d_act = grouped_gemm.grouped_gemm_bf16(ct, w_down, group_sizes, b_layout="kn", impl=impl)
-  dh = _swiglu_bwd(h, d_act).astype(bf16)
-  dx = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, group_sizes, b_layout="kn", impl=impl)
-  if wgrad_dtype is None:
-    return dx, None, None
-  act = _swiglu(h).astype(bf16)  # recomputed from the saved gate/up rows
-  dw_down = grouped_gemm.grouped_gemm_bf16_wgrad(ct, act, group_sizes, out_dtype=wgrad_dtype, impl=impl)
-  dw_gate_up = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x, group_sizes, out_dtype=wgrad_dtype, impl=impl)
-  return dx, dw_gate_up, dw_down
-
-
-@dataclasses.dataclass(frozen=True)
-class _Bf16MlpStatic:
-  impl: str
-  dtypes: tuple[Any, Any, Any]  # of x, w_gate_up and w_down: the dtypes of their cotangents
-
-
-def _mlp_bf16_fwd(st: _Bf16MlpStatic, x, group_sizes, w_gate_up, w_down):
-  impl, bf16 = st.impl, jnp.bfloat16
-  xb, gu, dn = x.astype(bf16), w_gate_up.astype(bf16), w_down.astype(bf16)
-  h = grouped_gemm.grouped_gemm_bf16(xb, gu, group_sizes, b_layout="nk", impl=impl)  # [M, 2 ffn]
-  h = checkpoint_name(h, "expert_gate_up")
-  y = grouped_gemm.grouped_gemm_bf16(_swiglu(h).astype(bf16), dn, group_sizes, b_layout="nk", impl=impl)
-  return y, (xb, h, group_sizes, gu, dn)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp_bf16(st, x, group_sizes, w_gate_up, w_down):
-  return _mlp_bf16_fwd(st, x, group_sizes, w_gate_up, w_down)[0]
-
-
-def _mlp_bf16_bwd(st: _Bf16MlpStatic, res, ct):
-  xb, h, group_sizes, gu, dn = res
-  # Weight gradients are written in float32 for float32 weights, else in bfloat16 (no float32 pass to cast).
-  f32 = jnp.dtype(jnp.float32)
-  wgrad_dtype = f32 if f32 in st.dtypes[1:] else jnp.dtype(jnp.bfloat16)
-  grads = _mlp_backward_bf16(st.impl, ct, xb, h, group_sizes, gu, dn, wgrad_dtype)
-  dx, dw_gu, dw_dn = (g.astype(dt) for g, dt in zip(grads, st.dtypes))
-  return dx, None, dw_gu, dw_dn
-
-
-_mlp_bf16.defvjp(_mlp_bf16_fwd, _mlp_bf16_bwd)
-
-
-def swiglu_mlp_bf16(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                    impl: str = "auto") -> jax.Array:
-  """The grouped SwiGLU MLP in bfloat16 on `grouped_gemm.grouped_gemm_bf16`: gate/up -> SwiGLU -> down.
-
-  Operands are rounded to bfloat16 (float32 weights are cast, FP8 weights dequantized), products accumulate in
-  float32, the gate/up output and the activation are rounded to bfloat16 (as `swiglu_mlp_xla` with
-  compute_dtype bfloat16). The gradient (a custom VJP) runs on four more grouped GEMMs: the data gradients read
-  the weights in place, the weight gradients contract over each expert's rows in float32 and come back in the
-  weights' dtype. Saved for the backward pass: x and the gate/up rows, bfloat16 (``2 * (hidden + 2 * ffn)`` bytes
-  per row).
-
-  Args:
-    x: [M, hidden] rows sorted by expert (any float dtype; its cotangent has its dtype).
-    group_sizes: int32 [G] rows per expert (clamped as in `grouped_gemm`); rows no expert owns give 0.
-    weights: the G experts' `ExpertWeights`; hidden and ffn multiples of 8.
-    impl: "auto", "ffi" or "reference", for the grouped GEMMs.
-
-  Returns:
-    bfloat16 [M, hidden].
-  """
-  op = "swiglu_mlp_bf16"
-  hidden = x.shape[-1]
-  _, ffn = _check_weights(op, weights, hidden)
-  if x.ndim != 2:
-    raise ValueError(f"{op}: x must be [M, hidden], got shape {tuple(x.shape)}")
-  _check_bf16_sizes(op, hidden, ffn)
-  if weights.is_fp8:
-    w_gate_up, w_down = weights.dequantized(jnp.bfloat16)
-  else:
-    w_gate_up, w_down = weights.w_gate_up, weights.w_down
-  st = _Bf16MlpStatic(impl=impl, dtypes=tuple(jnp.dtype(v.dtype) for v in (x, w_gate_up, w_down)))
-  return _mlp_bf16(st, x, group_sizes.astype(jnp.int32), w_gate_up, w_down)
-
-
-def _check_bf16_sizes(op: str, hidden: int, ffn: int) -> None:
-  for name, v in (("hidden", hidden), ("ffn", ffn)):
-    if v % 8 or v == 0:
-      raise ValueError(f"{op}: {name} must be a positive multiple of 8, got {v}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The FP8 expert MLP on the grouped GEMM
-# ----------------------------------------------------------------------------------------------------------------
-
-
-# How the FP8 experts' backward computes: "bf16" is straight-through on the bf16 grouped GEMMs; "fp8_dgrad" runs
-# the data gradients on the FP8 grouped GEMM (cotangent rows quantized 1x128, the forward's FP8 weights transposed);
-# "fp8" the weight gradients too, on the FP8 weight-gradient GEMM (DeepSeek-V3's recipe: all three GEMMs in FP8).
-BACKWARDS = ("bf16", "fp8_dgrad", "fp8")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fp8MlpStatic:
-  impl: str
-  x_dtype: Any  # dtype of a float x (its cotangent's dtype), or None for an FP8 x
-  w_dtype: Any  # dtype of float weights, or None for FP8 weights
-  backward: str = "bf16"  # one of BACKWARDS
-
-
-def _masked_mlp_reference(x, group_sizes, w_gate_up, w_down):
-  """The bfloat16 SwiGLU MLP on masked groups x [G, R, H] (float32 accumulation, rows past a count give 0).
-
-  Rows past a count are zeroed on the way in too, so that whatever they hold (NaN) reaches no weight gradient, and
-  their own gradient is 0 (not 0 * NaN of a weight)."""
-  ffn = w_down.shape[-1]
-  _, size = grouped_gemm.owned_rows(group_sizes, x.shape[1], masked=True)
-  live = (jnp.arange(x.shape[1])[None, :] < size[:, None])[..., None]
-  h = jnp.einsum("grh,gfh->grf", jnp.where(live, x, 0), w_gate_up, preferred_element_type=jnp.float32)
-  act = (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]).astype(jnp.bfloat16)
-  y = jnp.einsum("grf,ghf->grh", act, w_down, preferred_element_type=jnp.float32)
-  return jnp.where(live, y, 0.0)
-
-
-def _quantize_rows(x, impl):
-  """`quant.quantize_fp8_blockwise` of x [..., K]: E4M3 [..., K] and float32 scales [..., K/128]."""
-  k = x.shape[-1]
-  q, sf = quant.quantize_fp8_blockwise(x.reshape(-1, k), impl=impl)
-  return q.reshape(x.shape), sf.reshape(*x.shape[:-1], k // quant.FP8_BLOCK)
-
-
-def _swiglu_quantize_rows(h, impl):
-  """`quant.swiglu_quantize_fp8_blockwise` of gate/up rows h [..., 2F]: E4M3 [..., F] and scales [..., F/128]."""
-  f = h.shape[-1] // 2
-  q, sf = quant.swiglu_quantize_fp8_blockwise(h.reshape(-1, 2 * f), impl=impl)
-  return q.reshape(*h.shape[:-1], f), sf.reshape(*h.shape[:-1], f // quant.FP8_BLOCK)
-
-
-def _fp8_operands(st: _Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  """FP8 activations (quantized here when float) and weights (quantized here when float)."""
-  if st.x_dtype is not None:
-    x, x_sf = _quantize_rows(x, st.impl)
-  if st.w_dtype is not None:
-    w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up, impl=st.impl)
-    w_down, w_down_sf = quant.quantize_fp8_weight(w_down, impl=st.impl)
-  return x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf
-
-
-def _mlp_fp8_fwd(st: _Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  a, a_sf, gu, gu_sf, dn, dn_sf = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
-  ffn = dn.shape[-1]
-  h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
-  h = checkpoint_name(h, "expert_gate_up")
-  del ffn
-  q, q_sf = _swiglu_quantize_rows(h, st.impl)
-  y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
-  return y, (a, a_sf, _kept_gate_up(st, h), group_sizes,
-             _weights_for_backward(st, w_gate_up, w_down, (gu, gu_sf, dn, dn_sf)))
-
-
-def _kept_gate_up(st: _Fp8MlpStatic, h: jax.Array):
-  """What the backward keeps of the gate/up rows h [..., 2F]: h itself (bfloat16), or for the FP8 backward its
-  1x128 FP8 codes and scales (half the bytes; the backward's SwiGLU derivative then starts from these values)."""
-  if st.backward == "bf16":
-    return h
-  return _quantize_rows(h, st.impl)
-
-
-def _gate_up(kept) -> jax.Array:
-  """The gate/up rows the backward computes from (bfloat16): `_kept_gate_up`'s h, or its FP8 codes decoded (exact
-  in bfloat16, whose exponent range is float32's)."""
-  if not isinstance(kept, tuple):
-    return kept
-  q, sf = kept
-  f = q.shape[-1]
-  return quant.dequantize_fp8_blockwise(q.reshape(-1, f), sf.reshape(-1, f // quant.FP8_BLOCK),
-                                        dtype=jnp.bfloat16).reshape(q.shape)
-
-
-def _weights_for_backward(st: _Fp8MlpStatic, w_gate_up, w_down, fp8):
-  """What the backward reads of the weights: (float weights or None, the forward's FP8 weights or None).
-
-  Float weights are read as they are (their gradient's dtype, and the bf16 backward's operands); FP8 ones are the
-  bf16 backward's operands dequantized and the FP8 backward's operands transposed."""
-  float_w = (w_gate_up, w_down) if st.w_dtype is not None else None
-  return float_w, (fp8 if st.w_dtype is None or st.backward != "bf16" else None)
-
-
-def _bf16_weights(w_bwd):
-  """(w_gate_up, w_down) in bfloat16 for the bf16 backward: float weights cast, FP8 weights dequantized."""
-  float_w, fp8 = w_bwd
-  if float_w is not None:
-    return float_w[0].astype(jnp.bfloat16), float_w[1].astype(jnp.bfloat16)
-  gu, gu_sf, dn, dn_sf = fp8
-  return (quant.dequantize_fp8_weight(gu, gu_sf, dtype=jnp.bfloat16),
-          quant.dequantize_fp8_weight(dn, dn_sf, dtype=jnp.bfloat16))
-
-
-def _transposed(w: jax.Array, w_sf: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """FP8 weights [G, N, K] with 128x128 block scales as [G, K, N]: each block's scale moves with its block, so
-  this is exactly what quantizing the transposed weights gives (the amax of a block is that of its transpose)."""
-  return jnp.swapaxes(w, -1, -2), jnp.swapaxes(w_sf, -1, -2)
-
-
-def _wgrad_fp8(impl, dy, x, group_sizes, out_dtype, x_sf=None):
-  """Per group, dy_g^T x_g on the FP8 grouped GEMM: both operands quantized along the tokens (128x1 tiles, each
-  group padded to 128 tokens; an FP8 x with 1x128 scales x_sf is decoded and quantized again that way)."""
-  kmajor = lambda v, sf=None: quant.quantize_fp8_grouped_kmajor(v, group_sizes, sf, impl=impl)
-  return grouped_gemm.grouped_gemm_fp8_wgrad(*kmajor(dy), *kmajor(x, x_sf), group_sizes, out_dtype=out_dtype,
-                                             impl=impl)
-
-
-def _data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8, weight=None):
-  """The FP8 backward's data gradients: g = ct @ w_down and dx = dh @ w_gate_up on the FP8 grouped GEMM.
-
-  ct arrives quantized 1x128 (codes and scales); dh is quantized 1x128 here. `weight` (per row, float32 [..., 1])
-  scales d_act before the SwiGLU backward (the expert pass's routing weight). Returns (g, dh, dx), all bfloat16."""
-  gu, gu_sf, dn, dn_sf = fp8
-  g = grouped_gemm.grouped_gemm_fp8(ct_q, ct_sf, *_transposed(dn, dn_sf), group_sizes, impl=impl)
-  d_act = g.astype(jnp.float32) if weight is None else weight * g.astype(jnp.float32)
-  # dh rounded to bfloat16 before the 1x128 quantization (8 significant bits before 4: no further error) halves
-  # what the quantizer reads, and is the weight gradient's operand as it is.
-  dh = _swiglu_bwd(h, d_act).astype(jnp.bfloat16)
-  dh_q, dh_sf = _quantize_rows(dh, impl)
-  dx = grouped_gemm.grouped_gemm_fp8(dh_q, dh_sf, *_transposed(gu, gu_sf), group_sizes, impl=impl)
-  return g, dh, dx
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  return _mlp_fp8_fwd(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
-
-
-def _mlp_fp8_bwd(st: _Fp8MlpStatic, res, ct):
-  a, a_sf, h, group_sizes, w_bwd = res
-  h = _gate_up(h)
-  bf16 = jnp.bfloat16
-  hidden = a.shape[-1]
-  wgrad_dtype = None if st.w_dtype is None else (
-      jnp.dtype(jnp.float32) if st.w_dtype == jnp.dtype(jnp.float32) else jnp.dtype(bf16))
-  # The bf16 backward is straight-through: the bfloat16 MLP's gradient at the quantized activations, the forward's
-  # gate/up rows and the weights (float weights rounded to bfloat16, FP8 weights dequantized). The masked layout's
-  # weight gradients take that way with every backward; "fp8_dgrad"'s weight gradients are the bf16 GEMMs'.
-  masked = a.ndim == 3
-  if st.backward != "fp8" or (masked and wgrad_dtype is not None):
-    x = quant.dequantize_fp8_blockwise(a.reshape(-1, hidden), a_sf.reshape(-1, hidden // quant.FP8_BLOCK),
-                                       dtype=bf16).reshape(a.shape)
-  if st.backward == "bf16" or (masked and wgrad_dtype is not None):
-    w_gate_up, w_down = _bf16_weights(w_bwd)
-  if st.backward == "bf16" and masked:
-    _, vjp = jax.vjp(lambda x, wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), x, w_gate_up, w_down)
-    dx, dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
-  elif st.backward == "bf16":
-    dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype)
-  else:
-    ct_q, ct_sf = _quantize_rows(ct, st.impl)
-    _, dh, dx = _data_gradients_fp8(st.impl, ct_q, ct_sf, h, group_sizes, w_bwd[1])
-    dw_gu = dw_dn = None
-    if wgrad_dtype is not None and masked:
-      _, vjp = jax.vjp(lambda wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), w_gate_up, w_down)
-      dw_gu, dw_dn = vjp(ct.astype(jnp.float32))
-    elif wgrad_dtype is not None and st.backward == "fp8":
-      dw_dn = _wgrad_fp8(st.impl, ct.astype(bf16), _swiglu(h).astype(bf16), group_sizes, wgrad_dtype)
-      dw_gu = _wgrad_fp8(st.impl, dh, a, group_sizes, wgrad_dtype, x_sf=a_sf)
-    elif wgrad_dtype is not None:
-      act = _swiglu(h).astype(bf16)
-      dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct.astype(bf16), act, group_sizes, out_dtype=wgrad_dtype,
-                                                   impl=st.impl)
-      dw_gu = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x, group_sizes, out_dtype=wgrad_dtype, impl=st.impl)
-  dx = None if st.x_dtype is None else dx.astype(st.x_dtype)
-  if st.w_dtype is None:
-    dw_gu = dw_dn = None
-  else:
-    dw_gu, dw_dn = dw_gu.astype(st.w_dtype), dw_dn.astype(st.w_dtype)
-  return dx, None, None, dw_gu, None, dw_dn, None
-
-
-_mlp_fp8.defvjp(_mlp_fp8_fwd, _mlp_fp8_bwd)
-
-
-def _fp8_mlp_static(op: str, x, x_sf, weights: ExpertWeights, impl: str, backward: str = "bf16") -> _Fp8MlpStatic:
-  """Checks the operands of the FP8 MLP; returns its static settings."""
-  hidden = x.shape[-1]
-  num_groups, ffn = _check_weights(op, weights, hidden)
-  for name, v in (("hidden", hidden), ("ffn", ffn)):
-    if v % quant.FP8_BLOCK or v == 0:
-      raise ValueError(f"{op}: {name} must be a positive multiple of {quant.FP8_BLOCK}, got {v}")
-  if x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[0] != num_groups):
-    raise ValueError(f"{op}: x must be [M, hidden] or [G={num_groups}, R, hidden], got shape {tuple(x.shape)}")
-  fp8_x = jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
-  if fp8_x:
-    quant.check_fp8_blockwise(op, x.reshape(-1, hidden), None if x_sf is None else x_sf.reshape(-1, x_sf.shape[-1]))
-    if tuple(x_sf.shape) != (*x.shape[:-1], hidden // quant.FP8_BLOCK):
-      raise ValueError(f"{op}: x_sf must be {(*x.shape[:-1], hidden // quant.FP8_BLOCK)}, got {tuple(x_sf.shape)}")
-  elif x_sf is not None:
-    raise ValueError(f"{op}: x_sf is only for float8_e4m3fn x, got x of dtype {jnp.dtype(x.dtype).name}")
-  if weights.is_fp8 and jnp.dtype(weights.w_gate_up.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-    raise TypeError(f"{op}: FP8 weights must be float8_e4m3fn, got {jnp.dtype(weights.w_gate_up.dtype).name}")
-  if backward not in BACKWARDS:
-    raise ValueError(f"{op}: backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
-  st = _Fp8MlpStatic(impl=impl, x_dtype=None if fp8_x else jnp.dtype(x.dtype),
-                     w_dtype=None if weights.is_fp8 else jnp.dtype(weights.w_gate_up.dtype), backward=backward)
-  return st
-
-
-def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                   x_sf: Optional[jax.Array] = None, impl: str = "auto", backward: str = "bf16") -> jax.Array:
-  """The grouped SwiGLU MLP in FP8: gate/up grouped GEMM -> SwiGLU -> 1x128 requantization -> down grouped GEMM.
-
-  Both matmuls are `grouped_gemm.grouped_gemm_fp8` (E4M3 operands, float32 accumulation, bfloat16 output);
-  the SwiGLU runs in float32 on the bfloat16 gate/up output and is requantized with
-  `quant.quantize_fp8_blockwise`. Float activations and float weights are quantized here (1x128 and 128x128
-  blocks); FP8 ones are used as they are.
-
-  Gradients (a custom VJP), `backward="bf16"`: bfloat16 and straight-through: the backward pass is that of the
-  bfloat16 MLP evaluated at the dequantized FP8 activations, the forward's gate/up rows and the weights (float
-  weights rounded to bfloat16 -- not their FP8 forms --, FP8 weights dequantized), on the bf16 grouped GEMMs of
-  `swiglu_mlp_bf16` (the masked layout: on einsums), so quantization error enters the gradient only through where
-  it is evaluated. `backward="fp8_dgrad"`: the data gradient runs on the FP8 grouped GEMM as DeepSeek-V3 trains:
-  the output cotangent rows and the SwiGLU backward's rows quantized 1x128, times the forward's FP8 weights
-  transposed (codes and 128x128 block scales, exact), and the gate/up rows are kept for the backward as 1x128 FP8
-  codes and scales (the SwiGLU derivative starts from their decoded values); the weight gradients are the bf16
-  GEMMs'. `backward="fp8"`, DeepSeek-V3's whole recipe: the weight gradients too (contiguous layout), per expert
-  dw_down = ct^T act and dw_gate_up = dh^T x on `grouped_gemm.grouped_gemm_fp8_wgrad`, every operand quantized
-  along the tokens in 128x1 tiles (`quant.quantize_fp8_grouped_kmajor`; x from its FP8 codes, a second rounding).
-  The masked layout's weight gradients stay bf16. Float x and float weights get cotangents
-  in their own dtypes; FP8 inputs, scales and group_sizes get none.
-
-  Args:
-    x: contiguous [M, hidden] rows sorted by expert, or masked [G, R, hidden]; bfloat16/float16/float32, or
-      float8_e4m3fn with `x_sf`. hidden % 128 == 0.
-    group_sizes: int32 [G] rows per expert (see `grouped_gemm` for the clamping of each layout).
-    weights: the G experts' `ExpertWeights` (float, or FP8 with 128x128 block scales); 2 * ffn, ffn and hidden
-      must be multiples of 128.
-    x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
-    impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
-    backward: "bf16", "fp8_dgrad" or "fp8" (`BACKWARDS`): how the gradients are computed, see above.
-
-  Returns:
-    bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
-  """
-  st = _fp8_mlp_static("swiglu_mlp_fp8", x, x_sf, weights, impl, backward)
-  return _mlp_fp8(st, x, x_sf, group_sizes.astype(jnp.int32), weights.w_gate_up, weights.w_gate_up_sf,
-                  weights.w_down, weights.w_down_sf)
-
+# Users build the stage's weights from here, and README shows the FP8 MLP from here.
+from jax_moe_a2a.expert_mlp import ExpertWeights, swiglu_mlp_fp8  # noqa: F401  pylint: disable=unused-import
 
 # ----------------------------------------------------------------------------------------------------------------
 # The stage's expert pass in one VJP: expand -> grouped MLP -> weighted sum, saving neither copy of top_k rows
@@ -625,7 +29,7 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
 
 @dataclasses.dataclass(frozen=True)
 class _PassStatic:
-  fp8: Optional[_Fp8MlpStatic]  # FP8 experts (their settings), or None for the bf16 grouped GEMMs
+  fp8: Optional[expert_mlp.Fp8MlpStatic]  # FP8 experts (their settings), or None for the bf16 grouped GEMMs
   impl: str  # the bf16 experts' GEMMs and row moves; with FP8 experts, the weighted sum's gather and sum
   rows_dtype: Any  # the received rows' dtype: their cotangent's
   w_dtypes: Optional[tuple[Any, Any]]  # float weights' dtypes (their cotangents'); None for FP8 weights
@@ -640,11 +44,11 @@ def _expert_pass(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_
 
   Saved for the backward pass: the rows once (bfloat16, or their FP8 codes and scales: not their top_k expanded
   copies, which the backward expands again) and the gate/up rows (bfloat16, or FP8 codes and scales for the FP8
-  backward); not the expert outputs. The routing weights'
-  gradient ``<ct[row], y_k>`` is taken as ``<act_k, ct[row] @ w_down>`` from the data gradient's own product, so
-  the backward runs the same four grouped GEMMs as `_mlp_backward_bf16`, on the unweighted cotangent rows with the
-  weight applied to act (for dw_down) and to d_act (for the rest). Gradients of the FP8 experts are those of
-  `swiglu_mlp_fp8` with its `backward`."""
+  backward); not the expert outputs. The routing weights' gradient ``<ct[row], y_k>`` is taken as
+  ``<act_k, ct[row] @ w_down>`` from the data gradient's own product, so the backward runs the same four grouped
+  GEMMs as `expert_mlp.swiglu_mlp_bf16`'s, on the unweighted cotangent rows with the weight applied to act (for
+  dw_down) and to d_act (for the rest). Gradients of the FP8 experts are those of `expert_mlp.swiglu_mlp_fp8` with
+  its `backward`."""
   return _expert_pass_fwd(st, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
 
 
@@ -653,19 +57,19 @@ def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up
   if st.fp8 is not None:
     mlp_impl = st.fp8.impl
     with jax.named_scope("permute"):
-      q, q_sf = _quantize_rows(rows, mlp_impl) if codes is None else codes
+      q, q_sf = expert_mlp.quantize_rows(rows, mlp_impl) if codes is None else codes
       a, a_sf = row_ops.scatter_rows(q, pos, impl=mlp_impl), row_ops.scatter_rows(q_sf, pos, impl=mlp_impl)
     with jax.named_scope("experts"):
-      y, (_, _, h, _, w_bwd) = _mlp_fp8_fwd(dataclasses.replace(st.fp8, x_dtype=None), a, a_sf, perm.group_sizes,
-                                            w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+      y, (_, _, h, _, w_bwd) = expert_mlp.mlp_fp8_forward(dataclasses.replace(st.fp8, x_dtype=None), a, a_sf,
+                                                          perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
     saved_rows = (q, q_sf)
   else:
     with jax.named_scope("permute"):
       xb = rows.astype(jnp.bfloat16)
       x_sorted = row_ops.scatter_rows(xb, pos, impl=st.impl)
     with jax.named_scope("experts"):
-      mlp_st = _Bf16MlpStatic(impl=st.impl, dtypes=(jnp.dtype(jnp.bfloat16),) * 3)
-      y, (_, h, _, gu, dn) = _mlp_bf16_fwd(mlp_st, x_sorted, perm.group_sizes, w_gate_up, w_down)
+      mlp_st = expert_mlp.Bf16MlpStatic(impl=st.impl, dtypes=(jnp.dtype(jnp.bfloat16),) * 3)
+      y, (_, h, _, gu, dn) = expert_mlp.mlp_bf16_forward(mlp_st, x_sorted, perm.group_sizes, w_gate_up, w_down)
     saved_rows, w_bwd = xb, ((gu, dn), None)
   with jax.named_scope("unpermute"):
     out = row_ops.sum_rows(y, perm.masked_pos(), topk_weights.astype(jnp.float32), out_dtype=st.out_dtype,
@@ -675,7 +79,7 @@ def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up
 
 def _expert_pass_bwd(st: _PassStatic, res, ct):
   saved_rows, h, topk_weights, perm, w_bwd, out_first = res
-  h = _gate_up(h)
+  h = expert_mlp.gate_up_rows(h)
   bf16, f32 = jnp.bfloat16, jnp.float32
   mlp_impl = st.impl if st.fp8 is None else st.fp8.impl
   fp8_backward = st.fp8 is not None and st.fp8.backward != "bf16"  # FP8 data gradients
@@ -693,29 +97,30 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
     if fp8_backward:
       # Each row quantized once and its codes expanded, as the forward does with x. Assignments of no local
       # expert sort past every group, where the FP8 GEMM writes 0.
-      ct_q, ct_sf = _quantize_rows(ordering.after(ct, scale), mlp_impl)
+      ct_q, ct_sf = expert_mlp.quantize_rows(ordering.after(ct, scale), mlp_impl)
       ct_q, ct_sf = row_ops.scatter_rows(ct_q, pos, impl=mlp_impl), row_ops.scatter_rows(ct_sf, pos, impl=mlp_impl)
     if not fp8_backward or st.w_dtypes is not None:
       ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
   with jax.named_scope("experts"):
-    act = _swiglu(h)
+    act = expert_mlp.swiglu(h)
     if fp8_backward:
-      g, dh, dx_sorted = _data_gradients_fp8(mlp_impl, ct_q, ct_sf, h, gs, w_bwd[1], weight=w_sorted)
+      g, dh, dx_sorted = expert_mlp.data_gradients_fp8(mlp_impl, ct_q, ct_sf, h, gs, w_bwd[1], weight=w_sorted)
     else:
-      w_gate_up, w_down = _bf16_weights(w_bwd)
+      w_gate_up, w_down = expert_mlp.bf16_weights(w_bwd)
       g = grouped_gemm.grouped_gemm_bf16(ct_sorted, w_down, gs, b_layout="kn", impl=mlp_impl)  # ct @ w_down
-      dh = _swiglu_bwd(h, w_sorted * g.astype(f32)).astype(bf16)
+      dh = expert_mlp.swiglu_backward(h, w_sorted * g.astype(f32)).astype(bf16)
       dx_sorted = grouped_gemm.grouped_gemm_bf16(dh, w_gate_up, gs, b_layout="kn", impl=mlp_impl)
     d_w = jnp.sum(act * g.astype(f32), axis=-1)  # <act, ct @ w_down> = <y, ct> per sorted assignment
     dw_gu = dw_dn = None
     if st.w_dtypes is not None and fp8_wgrad:
       # The FP8 weight gradients: the rows expanded again as the forward's FP8 codes, re-tiled along the tokens.
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
-      dw_dn = _wgrad_fp8(mlp_impl, ct_sorted, (w_sorted * act).astype(bf16), gs, wgrad_dtype).astype(st.w_dtypes[1])
+      dw_dn = expert_mlp.wgrad_fp8(mlp_impl, ct_sorted, (w_sorted * act).astype(bf16), gs,
+                                   wgrad_dtype).astype(st.w_dtypes[1])
       with jax.named_scope("permute"):
         x_q = row_ops.scatter_rows(saved_rows[0], pos, impl=mlp_impl)
         x_sf = row_ops.scatter_rows(saved_rows[1], pos, impl=mlp_impl)
-      dw_gu = _wgrad_fp8(mlp_impl, dh, x_q, gs, wgrad_dtype, x_sf=x_sf).astype(st.w_dtypes[0])
+      dw_gu = expert_mlp.wgrad_fp8(mlp_impl, dh, x_q, gs, wgrad_dtype, x_sf=x_sf).astype(st.w_dtypes[0])
     elif st.w_dtypes is not None:
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
       dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct_sorted, (w_sorted * act).astype(bf16), gs,
@@ -792,7 +197,7 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   if recv_topk_weights.shape != recv_topk_ids.shape:
     raise ValueError(f"{op}: recv_topk_weights must have the shape of recv_topk_ids {recv_topk_ids.shape}, "
                      f"got {recv_topk_weights.shape}")
-  num_local_experts, _ = _check_weights(op, weights, hidden)
+  num_local_experts, _ = expert_mlp.check_weights(op, weights, hidden)
   top_k = recv_topk_ids.shape[-1]
 
   rows = recv_x.reshape(num_ranks * capacity, hidden)
@@ -823,14 +228,14 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     perm = _permutation(recv_topk_ids.reshape(-1, top_k), num_local_experts)
   out_dtype = jnp.dtype(out_dtype)
   if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
-    st = _fp8_mlp_static(op, rows, None, weights, gemm_impl, backward)
+    st = expert_mlp.fp8_mlp_static(op, rows, None, weights, gemm_impl, backward)
     pass_st = _PassStatic(fp8=st, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
                           w_dtypes=None if weights.is_fp8 else (jnp.dtype(weights.w_gate_up.dtype),
                                                                 jnp.dtype(weights.w_down.dtype)))
     out = _expert_pass(pass_st, rows, codes, topk_weights, perm, weights.w_gate_up, weights.w_gate_up_sf,
                        weights.w_down, weights.w_down_sf)
   elif gemm_impl is None and _takes_bf16_gemms(rows, weights, compute_dtype, method):
-    _check_bf16_sizes(op, hidden, weights.w_down.shape[-1])
+    expert_mlp.check_bf16_sizes(op, hidden, weights.w_down.shape[-1])
     w_gate_up, w_down = weights.dequantized(jnp.bfloat16) if weights.is_fp8 else (weights.w_gate_up, weights.w_down)
     pass_st = _PassStatic(fp8=None, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
                           w_dtypes=(jnp.dtype(w_gate_up.dtype), jnp.dtype(w_down.dtype)))
@@ -843,10 +248,11 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
         x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
     with jax.named_scope("experts"):
       if fp8_rows:
-        y_sorted = swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl,
+        y_sorted = expert_mlp.swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl,
                                   backward=backward)
       else:
-        y_sorted = swiglu_mlp_xla(x_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype, method=method)
+        y_sorted = expert_mlp.swiglu_mlp_xla(x_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
+                                             method=method)
     with jax.named_scope("unpermute"):
       out = _reduce_rows(y_sorted, topk_weights, perm, out_dtype, impl)
   return out.reshape(num_ranks, capacity, hidden)  # already out_dtype (un-permute writes it)

@@ -54,7 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from jax_moe_a2a import _ffi, a2a, experts, layout, quant, routing
+from jax_moe_a2a import _ffi, a2a, expert_mlp, experts, layout, quant, routing
 from jax_moe_a2a import workspace as workspace_lib
 from jax_moe_a2a.workspace import Workspace
 
@@ -123,9 +123,9 @@ class MoEConfig:
     param_dtype: storage dtype of the non-FP8 parameters made by `init_params`.
     impl: ``"auto" | "ffi" | "reference"``, passed to every op that takes an ``impl`` argument.
     gemm_impl: None: the routed experts compute in `dtype`; ``"auto" | "ffi" | "reference"``: they run in FP8
-      with `experts.swiglu_mlp_fp8` (the grouped GEMM custom call, or its pure-JAX twin); hidden and ffn must
+      with `expert_mlp.swiglu_mlp_fp8` (the grouped GEMM custom call, or its pure-JAX twin); hidden and ffn must
       then be multiples of 128.
-    expert_backward: how the FP8 experts (gemm_impl) are differentiated (`experts.swiglu_mlp_fp8`): ``"bf16"``
+    expert_backward: how the FP8 experts (gemm_impl) are differentiated (`expert_mlp.swiglu_mlp_fp8`): ``"bf16"``
       (default), straight-through on the bf16 grouped GEMMs; ``"fp8_dgrad"``, the data gradients on the FP8 grouped
       GEMM (the output cotangent and the SwiGLU backward's rows quantized 1x128, the forward's FP8 weights
       transposed) with the gate/up rows kept for the backward in FP8, the weight gradients on bf16 GEMMs;
@@ -221,8 +221,8 @@ class MoEConfig:
       object.__setattr__(self, name, dt)
     if self.impl not in _ffi.IMPLS:
       raise ValueError(f"{op}: impl must be one of {', '.join(_ffi.IMPLS)}, got {self.impl!r}")
-    if self.expert_backward not in experts.BACKWARDS:
-      raise ValueError(f"{op}: expert_backward must be one of {', '.join(experts.BACKWARDS)}, got "
+    if self.expert_backward not in expert_mlp.BACKWARDS:
+      raise ValueError(f"{op}: expert_backward must be one of {', '.join(expert_mlp.BACKWARDS)}, got "
                        f"{self.expert_backward!r}")
     if self.expert_backward != "bf16" and self.gemm_impl is None:
       raise ValueError(f"{op}: expert_backward={self.expert_backward!r} is a backward of FP8 experts, so it needs "
@@ -437,7 +437,7 @@ def _init_values(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
   w_gate_up = normal(k_gu, (e, 2 * f, h), h).astype(pd)
   w_down = normal(k_dn, (e, h, f), f).astype(pd)
   if config.fp8_weights:
-    w = experts.ExpertWeights.quantize(w_gate_up, w_down)
+    w = expert_mlp.ExpertWeights.quantize(w_gate_up, w_down)
     out.update(w_gate_up=w.w_gate_up, w_down=w.w_down, w_gate_up_sf=w.w_gate_up_sf, w_down_sf=w.w_down_sf)
   else:
     out.update(w_gate_up=w_gate_up, w_down=w_down)
@@ -554,8 +554,8 @@ def _shared_experts(params, x, config: MoEConfig, dtype) -> jax.Array:
   return y
 
 
-def _expert_weights(params) -> experts.ExpertWeights:
-  return experts.ExpertWeights(params["w_gate_up"], params["w_down"], params.get("w_gate_up_sf"),
+def _expert_weights(params) -> expert_mlp.ExpertWeights:
+  return expert_mlp.ExpertWeights(params["w_gate_up"], params["w_down"], params.get("w_gate_up_sf"),
                                params.get("w_down_sf"))
 
 
@@ -891,8 +891,8 @@ def moe_dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
     flat = topk_ids.reshape(-1)  # route only returns valid ids
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.zeros((config.num_experts,), jnp.int32).at[flat].add(1)
-    y_sorted = experts.swiglu_mlp_xla(xs[order // top_k], group_sizes,
-                                      experts.ExpertWeights(w_gate_up, w_down), compute_dtype=f32)
+    y_sorted = expert_mlp.swiglu_mlp_xla(xs[order // top_k], group_sizes,
+                                      expert_mlp.ExpertWeights(w_gate_up, w_down), compute_dtype=f32)
     y_assign = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(num_tokens, top_k, config.hidden)
     y = jnp.einsum("tk,tkh->th", topk_weights, y_assign)
     if config.num_shared_experts:

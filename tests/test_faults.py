@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import _ffi, a2a, experts, grouped_gemm, moe, quant
+from jax_moe_a2a import _ffi, a2a, expert_mlp, grouped_gemm, moe, quant
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 
@@ -376,16 +376,16 @@ def _mlp(path):
   """fn(x, group_sizes, weights) of one path of the expert MLP."""
   if path.startswith("xla_"):  # swiglu_mlp_xla with this method
     method = path[len("xla_"):]
-    return lambda x, gs, w: experts.swiglu_mlp_xla(x, gs, w, compute_dtype=jnp.float32, method=method)
+    return lambda x, gs, w: expert_mlp.swiglu_mlp_xla(x, gs, w, compute_dtype=jnp.float32, method=method)
   kind, impl = path.rsplit("_", 1)
   if kind == "bf16":
-    return lambda x, gs, w: experts.swiglu_mlp_bf16(x, gs, w, impl=impl)
+    return lambda x, gs, w: expert_mlp.swiglu_mlp_bf16(x, gs, w, impl=impl)
   if kind == "fp8":
-    return lambda x, gs, w: experts.swiglu_mlp_fp8(x, gs, w, impl=impl)
+    return lambda x, gs, w: expert_mlp.swiglu_mlp_fp8(x, gs, w, impl=impl)
   # fp8_masked: [G, R, hidden] rows, group g owning its first sizes[g]
   def masked(x, gs, w):
     xm = x.reshape(len(_NAN_SIZES), -1, x.shape[-1])
-    return experts.swiglu_mlp_fp8(xm, gs, w, impl=impl).reshape(x.shape)
+    return expert_mlp.swiglu_mlp_fp8(xm, gs, w, impl=impl).reshape(x.shape)
   return masked
 
 
@@ -417,7 +417,7 @@ def test_a_nan_in_one_expert_changes_no_other_expert_s_outputs_or_gradients(path
 
   @jax.jit
   def run(x, gu, dn, ct):
-    f = lambda x, gu, dn: fn(x, jnp.asarray(sizes, jnp.int32), experts.ExpertWeights(gu, dn)).astype(jnp.float32)
+    f = lambda x, gu, dn: fn(x, jnp.asarray(sizes, jnp.int32), expert_mlp.ExpertWeights(gu, dn)).astype(jnp.float32)
     y, vjp = jax.vjp(f, x, gu, dn)
     return (y, *vjp(ct))
 

@@ -1,4 +1,4 @@
-"""The FP8 expert MLP (`experts.swiglu_mlp_fp8`) and the grouped GEMM's argument checks.
+"""The FP8 expert MLP (`expert_mlp.swiglu_mlp_fp8`) and the grouped GEMM's argument checks.
 
 Tolerances: against a float32 MLP of the *dequantized* operands only the SwiGLU activation's 1x128 requantization
 and bfloat16 roundings differ, calc_diff < 1e-3 (observed ~4e-4); against the float32 MLP of the original float
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe_a2a import _ffi, experts, grouped_gemm, quant
+from jax_moe_a2a import _ffi, expert_mlp, grouped_gemm, quant
 from jax_moe_a2a.demo import calc_diff
 
 HIDDEN, FFN, GROUPS = 256, 128, 4
@@ -24,24 +24,24 @@ def _data(seed, rows=200, sizes=(60, 0, 1, 139)):
   x = jnp.asarray(rng.standard_normal((rows, HIDDEN)), jnp.float32)
   w_gu = jnp.asarray(rng.standard_normal((GROUPS, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN), jnp.float32)
   w_dn = jnp.asarray(rng.standard_normal((GROUPS, HIDDEN, FFN)) / np.sqrt(FFN), jnp.float32)
-  return x, jnp.asarray(sizes, jnp.int32), experts.ExpertWeights(w_gu, w_dn)
+  return x, jnp.asarray(sizes, jnp.int32), expert_mlp.ExpertWeights(w_gu, w_dn)
 
 
 def _f32_mlp(x, sizes, weights):
-  return experts.swiglu_mlp_xla(x, sizes, weights, compute_dtype=jnp.float32, method="tiled")
+  return expert_mlp.swiglu_mlp_xla(x, sizes, weights, compute_dtype=jnp.float32, method="tiled")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_mlp_matches_float32(impl):
   x, sizes, weights = _data(0)
-  got = jax.jit(lambda x, s, w: experts.swiglu_mlp_fp8(x, s, w, impl=impl))(x, sizes, weights)
+  got = jax.jit(lambda x, s, w: expert_mlp.swiglu_mlp_fp8(x, s, w, impl=impl))(x, sizes, weights)
   assert got.dtype == jnp.bfloat16 and got.shape == x.shape
   got = np.asarray(got, np.float32)
   assert calc_diff(got, _f32_mlp(x, sizes, weights)) < 3e-3
   # Against the dequantized operands only the activation's requantization (and bf16 rounding) remains.
   xq, xs = quant.quantize_fp8_blockwise(x, impl="reference")
-  fp8 = experts.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
-  deq = _f32_mlp(quant.dequantize_fp8_blockwise(xq, xs), sizes, experts.ExpertWeights(*fp8.dequantized(jnp.float32)))
+  fp8 = expert_mlp.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
+  deq = _f32_mlp(quant.dequantize_fp8_blockwise(xq, xs), sizes, expert_mlp.ExpertWeights(*fp8.dequantized(jnp.float32)))
   assert calc_diff(got, deq) < 1e-3
   assert not np.any(got[int(sizes.sum()):])
 
@@ -51,22 +51,22 @@ def test_mlp_fp8_inputs_equal_float_inputs(impl):
   """FP8 x (with scales) and FP8 weights give what their float originals give (quantized inside)."""
   x, sizes, weights = _data(1)
   xq, xs = quant.quantize_fp8_blockwise(x, impl="reference")
-  fp8 = experts.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
-  a = experts.swiglu_mlp_fp8(x, sizes, weights, impl=impl)
-  b = experts.swiglu_mlp_fp8(xq, sizes, fp8, x_sf=xs, impl=impl)
+  fp8 = expert_mlp.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
+  a = expert_mlp.swiglu_mlp_fp8(x, sizes, weights, impl=impl)
+  b = expert_mlp.swiglu_mlp_fp8(xq, sizes, fp8, x_sf=xs, impl=impl)
   np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_masked_equals_contiguous(impl):
   x, sizes, weights = _data(2, rows=60 + 0 + 1 + 139)
-  cont = np.asarray(experts.swiglu_mlp_fp8(x, sizes, weights, impl=impl), np.float32)
+  cont = np.asarray(expert_mlp.swiglu_mlp_fp8(x, sizes, weights, impl=impl), np.float32)
   rows = 160
   starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
   xm = np.zeros((GROUPS, rows, HIDDEN), np.float32)
   for g, (s0, n) in enumerate(zip(starts, np.asarray(sizes))):
     xm[g, :n] = x[s0:s0 + n]
-  masked = np.asarray(experts.swiglu_mlp_fp8(jnp.asarray(xm), sizes, weights, impl=impl), np.float32)
+  masked = np.asarray(expert_mlp.swiglu_mlp_fp8(jnp.asarray(xm), sizes, weights, impl=impl), np.float32)
   for g, (s0, n) in enumerate(zip(starts, np.asarray(sizes))):
     np.testing.assert_array_equal(masked[g, :n], cont[s0:s0 + n])
     assert not np.any(masked[g, n:])
@@ -74,7 +74,7 @@ def test_masked_equals_contiguous(impl):
 
 def _grads(impl, x, sizes, weights, ct):
   def loss(x, w_gu, w_dn):
-    y = experts.swiglu_mlp_fp8(x, sizes, experts.ExpertWeights(w_gu, w_dn), impl=impl)
+    y = expert_mlp.swiglu_mlp_fp8(x, sizes, expert_mlp.ExpertWeights(w_gu, w_dn), impl=impl)
     return jnp.sum(y.astype(jnp.float32) * ct)
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, weights.w_gate_up, weights.w_down)
 
@@ -96,7 +96,7 @@ def test_gradients_are_straight_through_and_close_to_float32():
   got = {"reference": _grads("reference", x, sizes, weights, ct)}
 
   def f32_loss(x, w_gu, w_dn):
-    return jnp.sum(_f32_mlp(x, sizes, experts.ExpertWeights(w_gu, w_dn)) * ct)
+    return jnp.sum(_f32_mlp(x, sizes, expert_mlp.ExpertWeights(w_gu, w_dn)) * ct)
   want = jax.grad(f32_loss, argnums=(0, 1, 2))(x, weights.w_gate_up, weights.w_down)
   for name, a, b in zip(("x", "w_gate_up", "w_down"), got["reference"], want):
     assert a.dtype == b.dtype == jnp.float32
@@ -107,11 +107,11 @@ def test_gradients_are_straight_through_and_close_to_float32():
 
 def test_fp8_weights_get_no_gradient_and_x_still_does():
   x, sizes, weights = _data(5)
-  fp8 = experts.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
+  fp8 = expert_mlp.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
 
   def loss(x, w_gu, w_dn):
-    w = experts.ExpertWeights(w_gu, w_dn, fp8.w_gate_up_sf, fp8.w_down_sf)
-    return jnp.sum(experts.swiglu_mlp_fp8(x, sizes, w, impl="reference").astype(jnp.float32))
+    w = expert_mlp.ExpertWeights(w_gu, w_dn, fp8.w_gate_up_sf, fp8.w_down_sf)
+    return jnp.sum(expert_mlp.swiglu_mlp_fp8(x, sizes, w, impl="reference").astype(jnp.float32))
 
   dx, dw_gu, dw_dn = jax.grad(loss, argnums=(0, 1, 2))(x, fp8.w_gate_up, fp8.w_down)
   assert dx.shape == x.shape and np.any(np.asarray(dx))
@@ -155,11 +155,11 @@ def test_grouped_gemm_errors(override, error, match):
 def test_mlp_errors():
   x, sizes, weights = _data(6)
   with pytest.raises(ValueError, match="x_sf must be given"):
-    experts.swiglu_mlp_fp8(x.astype(jnp.float8_e4m3fn), sizes, weights)
+    expert_mlp.swiglu_mlp_fp8(x.astype(jnp.float8_e4m3fn), sizes, weights)
   with pytest.raises(ValueError, match="x_sf is only for float8_e4m3fn x, got x of dtype float32"):
-    experts.swiglu_mlp_fp8(x, sizes, weights, x_sf=jnp.ones((200, 2), jnp.float32))
-  odd = experts.ExpertWeights(jnp.ones((GROUPS, 2 * 96, HIDDEN)), jnp.ones((GROUPS, HIDDEN, 96)))
+    expert_mlp.swiglu_mlp_fp8(x, sizes, weights, x_sf=jnp.ones((200, 2), jnp.float32))
+  odd = expert_mlp.ExpertWeights(jnp.ones((GROUPS, 2 * 96, HIDDEN)), jnp.ones((GROUPS, HIDDEN, 96)))
   with pytest.raises(ValueError, match="ffn must be a positive multiple of 128, got 96"):
-    experts.swiglu_mlp_fp8(x, sizes, odd)
+    expert_mlp.swiglu_mlp_fp8(x, sizes, odd)
   with pytest.raises(ValueError, match=r"x must be \[M, hidden\] or \[G=4, R, hidden\]"):
-    experts.swiglu_mlp_fp8(x.reshape(2, 100, HIDDEN), sizes, weights)
+    expert_mlp.swiglu_mlp_fp8(x.reshape(2, 100, HIDDEN), sizes, weights)

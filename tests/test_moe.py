@@ -32,7 +32,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import a2a, experts, moe, routing
+from jax_moe_a2a import a2a, expert_mlp, moe, routing
 from jax_moe_a2a.testing import calc_diff, max_rel
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
@@ -68,7 +68,7 @@ def _host_params(config, seed):
       continue
     out[name] = (rng.standard_normal(sds.shape) / np.sqrt(sds.shape[-1])).astype(np.float32)
   if config.fp8_weights:
-    w = experts.ExpertWeights.quantize(jnp.asarray(out["w_gate_up"]), jnp.asarray(out["w_down"]))
+    w = expert_mlp.ExpertWeights.quantize(jnp.asarray(out["w_gate_up"]), jnp.asarray(out["w_down"]))
     out.update({k: np.asarray(getattr(w, k)) for k in ("w_gate_up", "w_down", "w_gate_up_sf", "w_down_sf")})
   return out
 
