@@ -11,14 +11,11 @@
 //   by the fill kernel, as are the rows no group owns for kNT and kNN. TMA stores clip each group's tiles to its
 //   own rows, and TMA loads fill a group's K residue (kTN) with zeros.
 // - Tiles of 128 x 256 x 64; clusters of two CTAs along N, except kNT (the forward), which runs one CTA per
-//   cluster: on the MoE layer's uneven groups that was 1.2 % faster (bench/results/gemm_bf16_clusters_*.json).
-// - The kernel's host-side parameters are built once per (mode, device, scratch address, group count) and cached,
-//   as for the FP8 GEMM: problem shapes and addresses are read from the scratch arrays on the device.
+//   cluster, the faster of the two on the MoE layer's uneven groups (docs/PERFORMANCE.md).
+// - The scaffolding (per-group arrays carved from scratch, the setup's scan, the cached host-built parameters) is
+//   grouped_gemm_sm90_common.cuh's.
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
@@ -36,6 +33,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm_bf16_kernels.cuh"
+#include "grouped_gemm_sm90_common.cuh"
 
 namespace jax_moe_a2a {
 
@@ -89,66 +87,9 @@ using KernelNN = Bf16Kernel<RowMajor, RowMajor, Bf16>;      // a [rows, k], b [G
 using KernelTN = Bf16Kernel<ColumnMajor, RowMajor, float>;  // aᵀ: [k, rows] read from a [rows, k]; b [rows, n]
 using KernelTNBf16 = Bf16Kernel<ColumnMajor, RowMajor, Bf16>;  // the same with a bfloat16 d
 
-// ---------------------------------------------------------------------------------------------------------------
-// Per-group argument arrays, carved from the caller's scratch buffer
-// ---------------------------------------------------------------------------------------------------------------
-
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
+// The per-group arrays of kernel K, carved from the caller's scratch buffer.
 template <class K>
-struct GroupArrays {
-  GroupShape* shapes;
-  const Bf16** a;
-  const Bf16** b;
-  typename K::Element** d;
-  typename K::StrideA* stride_a;
-  typename K::StrideB* stride_b;
-  typename K::StrideD* stride_d;
-};
-
-// Carves the arrays from `base` (nullptr: only counts) and returns the bytes they take.
-template <class K>
-size_t CarveGroupArrays(char* base, int64_t num_groups, GroupArrays<K>* out) {
-  size_t offset = 0;
-  auto take = [&](auto** ptr, size_t elem_bytes) {
-    using T = std::remove_reference_t<decltype(**ptr)>;
-    *ptr = base ? reinterpret_cast<T*>(base + offset) : nullptr;
-    offset = AlignUp(offset + elem_bytes * num_groups);
-  };
-  take(&out->shapes, sizeof(GroupShape));
-  take(&out->a, sizeof(void*));
-  take(&out->b, sizeof(void*));
-  take(&out->d, sizeof(void*));
-  take(&out->stride_a, sizeof(typename K::StrideA));
-  take(&out->stride_b, sizeof(typename K::StrideB));
-  take(&out->stride_d, sizeof(typename K::StrideD));
-  return offset;
-}
-
-template <class K>
-typename K::Gemm::Arguments MakeArguments(const GroupArrays<K>& g, int num_groups, int device, int sm_count) {
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = device;
-  hw_info.sm_count = sm_count;
-  typename K::Gemm::Arguments arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
-      {g.a, g.stride_a, g.b, g.stride_b},
-      {{}, nullptr, nullptr, g.d, g.stride_d},
-      hw_info};
-  auto& fusion = arguments.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.alpha_ptr_array = nullptr;
-  fusion.beta_ptr_array = nullptr;
-  fusion.dAlpha = {_0{}, _0{}, 0};
-  fusion.dBeta = {_0{}, _0{}, 0};
-  return arguments;
-}
+using GroupArrays = sm90::GroupArrays<typename K::GemmKernel>;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Device kernels: setup and zero fill
@@ -156,48 +97,35 @@ typename K::Gemm::Arguments MakeArguments(const GroupArrays<K>& g, int num_group
 
 constexpr int kSetupThreads = 256;
 
-// Fills the per-group arrays. One block; groups in chunks of kSetupThreads with a running row offset.
+// Fills the per-group arrays (one block).
 template <class K, Bf16GemmMode kMode>
 __global__ void __launch_bounds__(kSetupThreads) SetupGroupsKernel(GroupedGemmBf16Args args, GroupArrays<K> g) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int64_t chunk_base;
-  if (threadIdx.x == 0) chunk_base = 0;
-  __syncthreads();
   const auto* a = static_cast<const Bf16*>(args.a);
   const auto* b = static_cast<const Bf16*>(args.b);
   auto* d = static_cast<typename K::Element*>(args.d);
   const int n = static_cast<int>(args.n), k = static_cast<int>(args.k);
-  for (int64_t first = 0; first < args.num_groups; first += kSetupThreads) {
-    const int64_t grp = first + threadIdx.x;
-    const int64_t requested = grp < args.num_groups ? max(args.group_sizes[grp], 0) : 0;
-    int64_t before = 0, chunk_total = 0;
-    Scan(scan_storage).ExclusiveSum(requested, before, chunk_total);
-    if (grp < args.num_groups) {
-      const int64_t start = min(chunk_base + before, args.rows);
-      const int size = static_cast<int>(min(requested, args.rows - start));
-      g.a[grp] = a + start * args.k;
-      if constexpr (kMode == Bf16GemmMode::kTN) {
-        // d[g] [k, n] = a_gᵀ · b_g: M = k, N = n, K = the group's rows.
-        g.shapes[grp] = size > 0 ? GroupShape(k, n, size) : GroupShape(0, n, 0);
-        g.b[grp] = b + start * args.n;
-        g.d[grp] = d + grp * args.k * args.n;
-        g.stride_a[grp] = cutlass::make_cute_packed_stride(typename K::StrideA{}, make_shape(k, size, 1));
-        g.stride_b[grp] = cutlass::make_cute_packed_stride(typename K::StrideB{}, make_shape(n, size, 1));
-        g.stride_d[grp] = cutlass::make_cute_packed_stride(typename K::StrideD{}, make_shape(k, n, 1));
-      } else {
-        g.shapes[grp] = GroupShape(size, n, k);
-        g.b[grp] = b + grp * args.n * args.k;
-        g.d[grp] = d + start * args.n;
-        g.stride_a[grp] = cutlass::make_cute_packed_stride(typename K::StrideA{}, make_shape(size, k, 1));
-        g.stride_b[grp] = cutlass::make_cute_packed_stride(typename K::StrideB{}, make_shape(n, k, 1));
-        g.stride_d[grp] = cutlass::make_cute_packed_stride(typename K::StrideD{}, make_shape(size, n, 1));
-      }
+  sm90::ScanGroupSizes<kSetupThreads>(args.group_sizes, args.num_groups, [&](int64_t grp, int64_t requested,
+                                                                             int64_t before) {
+    const int64_t start = min(before, args.rows);
+    const int size = static_cast<int>(min(requested, args.rows - start));
+    g.a[grp] = a + start * args.k;
+    if constexpr (kMode == Bf16GemmMode::kTN) {
+      // d[g] [k, n] = a_gᵀ · b_g: M = k, N = n, K = the group's rows.
+      g.shapes[grp] = size > 0 ? GroupShape(k, n, size) : GroupShape(0, n, 0);
+      g.b[grp] = b + start * args.n;
+      g.d[grp] = d + grp * args.k * args.n;
+      g.stride_a[grp] = cutlass::make_cute_packed_stride(typename K::StrideA{}, make_shape(k, size, 1));
+      g.stride_b[grp] = cutlass::make_cute_packed_stride(typename K::StrideB{}, make_shape(n, size, 1));
+      g.stride_d[grp] = cutlass::make_cute_packed_stride(typename K::StrideD{}, make_shape(k, n, 1));
+    } else {
+      g.shapes[grp] = GroupShape(size, n, k);
+      g.b[grp] = b + grp * args.n * args.k;
+      g.d[grp] = d + start * args.n;
+      g.stride_a[grp] = cutlass::make_cute_packed_stride(typename K::StrideA{}, make_shape(size, k, 1));
+      g.stride_b[grp] = cutlass::make_cute_packed_stride(typename K::StrideB{}, make_shape(n, k, 1));
+      g.stride_d[grp] = cutlass::make_cute_packed_stride(typename K::StrideD{}, make_shape(size, n, 1));
     }
-    __syncthreads();  // everyone has read chunk_base
-    if (threadIdx.x == 0) chunk_base += chunk_total;
-    __syncthreads();
-  }
+  });
 }
 
 constexpr int kZeroThreads = 256;
@@ -248,59 +176,22 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(GroupedGem
 // Launch
 // ---------------------------------------------------------------------------------------------------------------
 
-// Kernel parameters per (device, scratch address, group count, SM count); see NOTES.
-template <class K>
-struct ParamsCache {
-  using Key = std::tuple<int, const void*, int64_t, int>;
-  static constexpr size_t kMaxEntries = 1024;
-  std::mutex mu;
-  std::map<Key, typename K::GemmKernel::Params> entries;
-
-  bool LookUp(const Key& key, typename K::GemmKernel::Params* out) {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = entries.find(key);
-    if (it == entries.end()) return false;
-    *out = it->second;
-    return true;
-  }
-  void Store(const Key& key, const typename K::GemmKernel::Params& params) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (entries.size() >= kMaxEntries) entries.clear();
-    entries[key] = params;
-  }
-};
-
-template <class K>
-ParamsCache<K>& CacheOf() {
-  static auto* cache = new ParamsCache<K>;  // never destroyed: handlers may run during interpreter shutdown
-  return *cache;
-}
-
-std::string CutlassError(const char* what, cutlass::Status status) {
-  return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
-}
-
 template <class K>
 size_t ScratchBytes(int64_t num_groups, int sm_count) {
-  GroupArrays<K> arrays{};
-  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
-  const auto arguments = MakeArguments(arrays, static_cast<int>(num_groups), 0, sm_count);
-  return array_bytes + AlignUp(K::Gemm::get_workspace_size(arguments));
+  return sm90::ScratchBytes<typename K::Gemm, GroupArrays<K>>(num_groups, sm_count);
 }
 
 template <class K, Bf16GemmMode kMode>
 std::string Launch(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args& args) {
   const size_t needed = ScratchBytes<K>(args.num_groups, sm_count);
   static_assert(kMode == Bf16GemmMode::kTN || std::is_same_v<typename K::Element, Bf16>, "kNT, kNN write bf16");
-  if (args.scratch_bytes < needed) {
-    return "scratch holds " + std::to_string(args.scratch_bytes) + " bytes, the call needs " + std::to_string(needed);
-  }
+  if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, needed); !error.empty()) return error;
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
 
   GroupArrays<K> arrays{};
   char* base = static_cast<char*>(args.scratch);
-  const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
+  const size_t array_bytes = sm90::CarveGroupArrays(base, args.num_groups, &arrays);
   SetupGroupsKernel<K, kMode><<<1, kSetupThreads, 0, stream>>>(args, arrays);
   if constexpr (kMode == Bf16GemmMode::kTN) {
     const int64_t vecs = args.k * args.n / (args.d_bf16 ? 8 : 4);
@@ -314,26 +205,10 @@ std::string Launch(cudaStream_t stream, int sm_count, const GroupedGemmBf16Args&
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
-  const auto arguments = MakeArguments(arrays, static_cast<int>(args.num_groups), device, sm_count);
-  void* workspace = base + array_bytes;
-  const typename ParamsCache<K>::Key key(device, args.scratch, args.num_groups, sm_count);
-  typename K::GemmKernel::Params params;
-  if (!CacheOf<K>().LookUp(key, &params)) {
-    typename K::Gemm gemm;
-    if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
-      return CutlassError("can_implement", status);
-    }
-    if (auto status = gemm.initialize(arguments, workspace, stream); status != cutlass::Status::kSuccess) {
-      return CutlassError("initialize", status);
-    }
-    params = gemm.params();
-    CacheOf<K>().Store(key, params);
-  } else if (auto status = K::GemmKernel::initialize_workspace(arguments, workspace, stream);
-             status != cutlass::Status::kSuccess) {
-    return CutlassError("initialize_workspace", status);
-  }
-  if (auto status = K::Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
-    return CutlassError("run", status);
+  if (std::string error = sm90::RunGroupedGemm<typename K::Gemm>(stream, device, sm_count, base, args.num_groups,
+                                                                 arrays, array_bytes);
+      !error.empty()) {
+    return error;
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";

@@ -17,13 +17,11 @@
 //   warpgroups. A tile's tensor-core work does not depend on how many of its rows a group fills, so at a few rows
 //   per expert the 128-row tiles do twice the work of the 64-row ones for the same weight reads; both read each
 //   weight tile once per row tile. Cluster 1x2x1 in both.
-// - The kernel's host-side parameters are built once per (tiles, device, scratch address, group count) and cached.
+// - The scaffolding (per-group arrays carved from scratch, the setup's scan, the cached host-built parameters) is
+//   grouped_gemm_sm90_common.cuh's.
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
@@ -42,6 +40,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm_kernels.cuh"
+#include "grouped_gemm_sm90_common.cuh"
 
 namespace jax_moe_a2a {
 
@@ -54,7 +53,6 @@ using namespace cute;
 // ---------------------------------------------------------------------------------------------------------------
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-using GroupShape = ProblemShape::UnderlyingProblemShape;
 
 using ElementA = cutlass::float_e4m3_t;
 using ElementB = cutlass::float_e4m3_t;
@@ -111,72 +109,9 @@ static_assert(std::is_same_v<StrideA, typename SmallTiles::GemmKernel::InternalS
               std::is_same_v<StrideB, typename SmallTiles::GemmKernel::InternalStrideB> &&
               std::is_same_v<StrideD, typename SmallTiles::GemmKernel::InternalStrideD>);
 
-// ---------------------------------------------------------------------------------------------------------------
-// Per-group argument arrays, carved from the caller's scratch buffer
-// ---------------------------------------------------------------------------------------------------------------
-
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
-struct GroupArrays {
-  GroupShape* shapes;
-  const ElementA** a;
-  const ElementB** b;
-  ElementD** d;
-  const float** sfa;
-  const float** sfb;
-  StrideA* stride_a;
-  StrideB* stride_b;
-  StrideD* stride_d;
-  LayoutSFA* layout_sfa;
-  LayoutSFB* layout_sfb;
-};
-
-// Carves the arrays from `base` (nullptr: only counts) and returns the bytes they take.
-size_t CarveGroupArrays(char* base, int64_t num_groups, GroupArrays* out) {
-  size_t offset = 0;
-  auto take = [&](auto** ptr, size_t elem_bytes) {
-    using T = std::remove_reference_t<decltype(**ptr)>;
-    *ptr = base ? reinterpret_cast<T*>(base + offset) : nullptr;
-    offset = AlignUp(offset + elem_bytes * num_groups);
-  };
-  take(&out->shapes, sizeof(GroupShape));
-  take(&out->a, sizeof(void*));
-  take(&out->b, sizeof(void*));
-  take(&out->d, sizeof(void*));
-  take(&out->sfa, sizeof(void*));
-  take(&out->sfb, sizeof(void*));
-  take(&out->stride_a, sizeof(StrideA));
-  take(&out->stride_b, sizeof(StrideB));
-  take(&out->stride_d, sizeof(StrideD));
-  take(&out->layout_sfa, sizeof(LayoutSFA));
-  take(&out->layout_sfb, sizeof(LayoutSFB));
-  return offset;
-}
-
-template <class Config>
-typename Config::Gemm::Arguments MakeArguments(const GroupArrays& g, int num_groups, int device, int sm_count) {
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = device;
-  hw_info.sm_count = sm_count;
-  typename Config::Gemm::Arguments arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
-      {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
-      {{}, nullptr, nullptr, g.d, g.stride_d},
-      hw_info};
-  auto& fusion = arguments.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.alpha_ptr_array = nullptr;
-  fusion.beta_ptr_array = nullptr;
-  fusion.dAlpha = {_0{}, _0{}, 0};
-  fusion.dBeta = {_0{}, _0{}, 0};
-  return arguments;
-}
+// The per-group arrays, carved from the caller's scratch buffer; one setup kernel fills them for both.
+using GroupArrays = sm90::GroupArrays<LargeTiles::GemmKernel, ScaleConfig>;
+using GroupShape = GroupArrays::GroupShape;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Device kernel: setup and zero fill
@@ -184,45 +119,32 @@ typename Config::Gemm::Arguments MakeArguments(const GroupArrays& g, int num_gro
 
 constexpr int kSetupThreads = 256;
 
-// Fills the per-group arrays: one block; groups in chunks of kSetupThreads with a running row offset.
+// Fills the per-group arrays (one block).
 __device__ void SetupGroups(const GroupedGemmFp8Args& args, const GroupArrays& g) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int64_t chunk_base;
-  if (threadIdx.x == 0) chunk_base = 0;
-  __syncthreads();
   const int64_t k_blocks = args.k / 128, n_blocks = args.n / 128;
-  for (int64_t first = 0; first < args.num_groups; first += kSetupThreads) {
-    const int64_t grp = first + threadIdx.x;
-    const int64_t requested = grp < args.num_groups ? max(args.group_sizes[grp], 0) : 0;
-    int64_t before = 0, chunk_total = 0;
-    Scan(scan_storage).ExclusiveSum(requested, before, chunk_total);
-    if (grp < args.num_groups) {
-      int64_t start, size;
-      if (args.masked) {
-        start = grp * args.rows;
-        size = min(requested, args.rows);
-      } else {
-        start = min(chunk_base + before, args.rows);
-        size = min(requested, args.rows - start);
-      }
-      const int m = static_cast<int>(size), n = static_cast<int>(args.n), k = static_cast<int>(args.k);
-      g.shapes[grp] = GroupShape(m, n, k);
-      g.a[grp] = reinterpret_cast<const ElementA*>(args.a) + start * args.k;
-      g.sfa[grp] = args.a_sf + start * k_blocks;
-      g.b[grp] = reinterpret_cast<const ElementB*>(args.b) + grp * args.n * args.k;
-      g.sfb[grp] = args.b_sf + grp * n_blocks * k_blocks;
-      g.d[grp] = reinterpret_cast<ElementD*>(args.d) + start * args.n;
-      g.stride_a[grp] = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
-      g.stride_b[grp] = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
-      g.stride_d[grp] = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
-      g.layout_sfa[grp] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
-      g.layout_sfb[grp] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+  sm90::ScanGroupSizes<kSetupThreads>(args.group_sizes, args.num_groups, [&](int64_t grp, int64_t requested,
+                                                                             int64_t before) {
+    int64_t start, size;
+    if (args.masked) {
+      start = grp * args.rows;
+      size = min(requested, args.rows);
+    } else {
+      start = min(before, args.rows);
+      size = min(requested, args.rows - start);
     }
-    __syncthreads();  // everyone has read chunk_base
-    if (threadIdx.x == 0) chunk_base += chunk_total;
-    __syncthreads();
-  }
+    const int m = static_cast<int>(size), n = static_cast<int>(args.n), k = static_cast<int>(args.k);
+    g.shapes[grp] = GroupShape(m, n, k);
+    g.a[grp] = reinterpret_cast<const ElementA*>(args.a) + start * args.k;
+    g.sfa[grp] = args.a_sf + start * k_blocks;
+    g.b[grp] = reinterpret_cast<const ElementB*>(args.b) + grp * args.n * args.k;
+    g.sfb[grp] = args.b_sf + grp * n_blocks * k_blocks;
+    g.d[grp] = reinterpret_cast<ElementD*>(args.d) + start * args.n;
+    g.stride_a[grp] = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
+    g.stride_b[grp] = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
+    g.stride_d[grp] = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
+    g.layout_sfa[grp] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
+    g.layout_sfb[grp] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+  });
 }
 
 constexpr int kZeroRowsPerBlock = 32;
@@ -264,79 +186,6 @@ __global__ void __launch_bounds__(kSetupThreads) PrepareGroupsKernel(GroupedGemm
   ZeroUnownedRows(args, static_cast<int64_t>(blockIdx.x) - 1);
 }
 
-// Kernel parameters (TMA descriptors built on the host, pointers into the scratch buffer) depend only on the
-// device, the scratch address, the group count and the SM count: the problem shapes and operand addresses are
-// read from the scratch arrays on the device. XLA gives a call site the same scratch buffer every time it runs,
-// so caching them keeps the host work of a call to the setup launch and the GEMM launch.
-template <class Config>
-struct ParamsCache {
-  using Params = typename Config::GemmKernel::Params;
-  using Key = std::tuple<int, const void*, int64_t, int>;  // device, scratch, groups, SM count
-  static constexpr size_t kMaxEntries = 1024;
-  std::mutex mu;
-  std::map<Key, Params> entries;
-
-  bool LookUp(const Key& key, Params* out) {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = entries.find(key);
-    if (it == entries.end()) return false;
-    *out = it->second;
-    return true;
-  }
-
-  void Store(const Key& key, const Params& params) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (entries.size() >= kMaxEntries) entries.clear();
-    entries[key] = params;
-  }
-
-  static ParamsCache& Get() {
-    static ParamsCache* cache = new ParamsCache;  // never destroyed: handlers may run during process exit
-    return *cache;
-  }
-};
-
-std::string CutlassError(const char* what, cutlass::Status status) {
-  return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
-}
-
-template <class Config>
-size_t ScratchBytes(int64_t num_groups, int sm_count) {
-  GroupArrays arrays{};
-  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
-  const auto arguments = MakeArguments<Config>(arrays, static_cast<int>(num_groups), 0, sm_count);
-  return array_bytes + AlignUp(Config::Gemm::get_workspace_size(arguments));
-}
-
-// Runs the GEMM of `Config` on the arrays the setup kernel fills (enqueued before).
-template <class Config>
-std::string RunGemm(cudaStream_t stream, int device, int sm_count, const GroupedGemmFp8Args& args,
-                    const GroupArrays& arrays, void* workspace) {
-  using Gemm = typename Config::Gemm;
-  const auto arguments = MakeArguments<Config>(arrays, static_cast<int>(args.num_groups), device, sm_count);
-  auto& cache = ParamsCache<Config>::Get();
-  const typename ParamsCache<Config>::Key key(device, args.scratch, args.num_groups, sm_count);
-  typename Config::GemmKernel::Params params;
-  if (!cache.LookUp(key, &params)) {
-    Gemm gemm;
-    if (auto status = gemm.can_implement(arguments); status != cutlass::Status::kSuccess) {
-      return CutlassError("can_implement", status);
-    }
-    if (auto status = gemm.initialize(arguments, workspace, stream); status != cutlass::Status::kSuccess) {
-      return CutlassError("initialize", status);
-    }
-    params = gemm.params();
-    cache.Store(key, params);
-  } else if (auto status = Config::GemmKernel::initialize_workspace(arguments, workspace, stream);
-             status != cutlass::Status::kSuccess) {
-    return CutlassError("initialize_workspace", status);
-  }
-  if (auto status = Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
-    return CutlassError("run", status);
-  }
-  return "";
-}
-
 // Whether a call takes the 64-row tiles: its average group (the static row count over the groups) is small.
 bool TakesSmallTiles(const GroupedGemmFp8Args& args) {
   const int64_t average_rows = args.masked ? args.rows : args.rows / std::max<int64_t>(args.num_groups, 1);
@@ -346,30 +195,30 @@ bool TakesSmallTiles(const GroupedGemmFp8Args& args) {
 }  // namespace
 
 size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count) {
-  return std::max(ScratchBytes<LargeTiles>(num_groups, sm_count), ScratchBytes<SmallTiles>(num_groups, sm_count));
+  return std::max(sm90::ScratchBytes<LargeTiles::Gemm, GroupArrays>(num_groups, sm_count),
+                  sm90::ScratchBytes<SmallTiles::Gemm, GroupArrays>(num_groups, sm_count));
 }
 
 std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args) {
   if (args.rows == 0 || args.num_groups == 0) return "";
   const size_t needed = GroupedGemmFp8ScratchBytes(args.num_groups, sm_count);
-  if (args.scratch_bytes < needed) {
-    return "scratch holds " + std::to_string(args.scratch_bytes) + " bytes, the call needs " + std::to_string(needed);
-  }
+  if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, needed); !error.empty()) return error;
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
 
   GroupArrays arrays{};
   char* base = static_cast<char*>(args.scratch);
-  const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
+  const size_t array_bytes = sm90::CarveGroupArrays(base, args.num_groups, &arrays);
   const dim3 grid(static_cast<unsigned>((args.rows + kZeroRowsPerBlock - 1) / kZeroRowsPerBlock + 1),
                   args.masked ? static_cast<unsigned>(args.num_groups) : 1u);
   PrepareGroupsKernel<<<grid, kSetupThreads, 0, stream>>>(args, arrays);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
-  void* workspace = base + array_bytes;
-  std::string error = TakesSmallTiles(args)
-                          ? RunGemm<SmallTiles>(stream, device, sm_count, args, arrays, workspace)
-                          : RunGemm<LargeTiles>(stream, device, sm_count, args, arrays, workspace);
+  const int64_t groups = args.num_groups;
+  std::string error =
+      TakesSmallTiles(args)
+          ? sm90::RunGroupedGemm<SmallTiles::Gemm>(stream, device, sm_count, base, groups, arrays, array_bytes)
+          : sm90::RunGroupedGemm<LargeTiles::Gemm>(stream, device, sm_count, base, groups, arrays, array_bytes);
   if (!error.empty()) return error;
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";

@@ -1,6 +1,8 @@
-// grouped_gemm_sm90_common.cuh -- host scaffolding for CUTLASS SM90 pointer-array grouped GEMMs whose problem
-// shapes and operand pointers live in device memory (filled by a setup kernel): scratch carving, the cache of the
-// kernel's host-built parameters, and the launch.
+// grouped_gemm_sm90_common.cuh -- what the CUTLASS SM90 pointer-array grouped GEMM units share: their problem
+// shapes and operand pointers live in device memory, filled by a setup kernel from group sizes that never reach the
+// host. Here: the per-group arrays and their carving from the caller's scratch buffer, the scan over group sizes the
+// setup kernels run, the kernel's arguments, the scratch size, the cache of the kernel's host-built parameters and
+// the launch.
 #pragma once
 
 #include <cstddef>
@@ -9,10 +11,15 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
+#include <cub/block/block_scan.cuh>
 #include <cuda_runtime_api.h>
 
+#include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/gemm/gemm.h"
+#include "cutlass/kernel_hardware_info.h"
 
 namespace jax_moe_a2a::sm90 {
 
@@ -30,6 +37,147 @@ void TakeScratch(char* base, size_t* offset, int64_t count, T** ptr) {
 
 inline std::string CutlassError(const char* what, cutlass::Status status) {
   return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
+}
+
+// The error of a call whose scratch buffer is smaller than it needs ("" when it is large enough).
+inline std::string ScratchShortfall(size_t have, size_t need) {
+  if (have >= need) return "";
+  return "scratch holds " + std::to_string(have) + " bytes, the call needs " + std::to_string(need);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-group arrays
+// ---------------------------------------------------------------------------------------------------------------
+
+// The blockwise scales' pointers and layouts of each group; `ScaleConfig` is a Sm90BlockwiseScaleConfig, void for
+// a kernel without scales (no members, nothing carved).
+template <class ScaleConfig>
+struct GroupScales {
+  static constexpr bool kScaled = true;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  const float** sfa;
+  const float** sfb;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+};
+
+template <>
+struct GroupScales<void> {
+  static constexpr bool kScaled = false;
+};
+
+// The arrays a setup kernel fills and the GEMM reads, one entry per group. `Kernel` is the GemmUniversal kernel
+// whose shapes and strides they hold; `ElementD` may be void when one setup kernel serves kernels that differ only
+// in the output type (the GEMM's arguments cast d to the kernel's own).
+template <class Kernel, class ScaleConfig = void, class ElementD = typename Kernel::ElementD>
+struct GroupArrays : GroupScales<ScaleConfig> {
+  using GroupShape = typename Kernel::ProblemShape::UnderlyingProblemShape;
+  using ElementA = typename Kernel::ElementA;
+  using ElementB = typename Kernel::ElementB;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  GroupShape* shapes;
+  const ElementA** a;
+  const ElementB** b;
+  ElementD** d;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+};
+
+// Carves `out`'s arrays from `base` (nullptr: only counts) and returns the bytes they take.
+template <class Arrays>
+size_t CarveGroupArrays(char* base, int64_t num_groups, Arrays* out) {
+  size_t offset = 0;
+  TakeScratch(base, &offset, num_groups, &out->shapes);
+  TakeScratch(base, &offset, num_groups, &out->a);
+  TakeScratch(base, &offset, num_groups, &out->b);
+  TakeScratch(base, &offset, num_groups, &out->d);
+  if constexpr (Arrays::kScaled) {
+    TakeScratch(base, &offset, num_groups, &out->sfa);
+    TakeScratch(base, &offset, num_groups, &out->sfb);
+  }
+  TakeScratch(base, &offset, num_groups, &out->stride_a);
+  TakeScratch(base, &offset, num_groups, &out->stride_b);
+  TakeScratch(base, &offset, num_groups, &out->stride_d);
+  if constexpr (Arrays::kScaled) {
+    TakeScratch(base, &offset, num_groups, &out->layout_sfa);
+    TakeScratch(base, &offset, num_groups, &out->layout_sfb);
+  }
+  return offset;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Setup on the device
+// ---------------------------------------------------------------------------------------------------------------
+
+// One block walks the groups in chunks of kThreads, one thread per group, and calls visit(grp, requested, before)
+// for every group: its size clamped to >= 0 and the sum of those of the groups before it (int64: at most 65535
+// int32 sizes). Every thread of the block must call it.
+template <int kThreads, class Visit>
+__device__ void ScanGroupSizes(const int32_t* group_sizes, int64_t num_groups, Visit visit) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t chunk_base;
+  if (threadIdx.x == 0) chunk_base = 0;
+  __syncthreads();
+  for (int64_t first = 0; first < num_groups; first += kThreads) {
+    const int64_t grp = first + threadIdx.x;
+    const int64_t requested = grp < num_groups ? max(group_sizes[grp], 0) : 0;
+    int64_t before = 0, chunk_total = 0;
+    Scan(scan_storage).ExclusiveSum(requested, before, chunk_total);
+    if (grp < num_groups) visit(grp, requested, chunk_base + before);
+    __syncthreads();  // everyone has read chunk_base
+    if (threadIdx.x == 0) chunk_base += chunk_total;
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Arguments, scratch size, parameters and launch on the host
+// ---------------------------------------------------------------------------------------------------------------
+
+// The arguments of `Gemm` (a GemmUniversalAdapter) over the arrays `g`: D = 1 · A·B (no C operand), problem shapes
+// read on the device only.
+template <class Gemm, class Arrays>
+typename Gemm::Arguments MakeArguments(const Arrays& g, int num_groups, int device, int sm_count) {
+  using ElementD = typename Gemm::GemmKernel::ElementD;
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = device;
+  hw_info.sm_count = sm_count;
+  typename Gemm::GemmKernel::MainloopArguments mainloop;
+  if constexpr (Arrays::kScaled) {
+    mainloop = {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb};
+  } else {
+    mainloop = {g.a, g.stride_a, g.b, g.stride_b};
+  }
+  typename Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
+      mainloop,
+      {{}, nullptr, nullptr, reinterpret_cast<ElementD**>(g.d), g.stride_d},
+      hw_info};
+  auto& fusion = arguments.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+  return arguments;
+}
+
+// Bytes of scratch one call of `Gemm` over `Arrays` needs: the per-group arrays, then the kernel's own workspace.
+template <class Gemm, class Arrays>
+size_t ScratchBytes(int64_t num_groups, int sm_count) {
+  Arrays arrays{};
+  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
+  const auto arguments = MakeArguments<Gemm>(arrays, static_cast<int>(num_groups), 0, sm_count);
+  return array_bytes + AlignScratch(Gemm::get_workspace_size(arguments));
 }
 
 // Kernel parameters (TMA descriptors built on the host, pointers into the scratch buffer) depend only on the device,
@@ -91,6 +239,16 @@ std::string RunCachedGemm(cudaStream_t stream, int device, int sm_count, const v
     return CutlassError("run", status);
   }
   return "";
+}
+
+// Runs `Gemm` on the arrays a setup kernel (enqueued before on `stream`) fills in `scratch`; its workspace follows
+// the arrays there.
+template <class Gemm, class Arrays>
+std::string RunGroupedGemm(cudaStream_t stream, int device, int sm_count, void* scratch, int64_t num_groups,
+                           const Arrays& arrays, size_t array_bytes) {
+  const auto arguments = MakeArguments<Gemm>(arrays, static_cast<int>(num_groups), device, sm_count);
+  return RunCachedGemm<Gemm>(stream, device, sm_count, scratch, num_groups, arguments,
+                             static_cast<char*>(scratch) + array_bytes);
 }
 
 }  // namespace jax_moe_a2a::sm90

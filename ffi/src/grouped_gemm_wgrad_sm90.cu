@@ -98,70 +98,13 @@ static_assert(std::is_same_v<StrideA, typename Bf16Out::GemmKernel::InternalStri
               std::is_same_v<StrideB, typename Bf16Out::GemmKernel::InternalStrideB> &&
               std::is_same_v<StrideD, typename Bf16Out::GemmKernel::InternalStrideD>);
 
-// ---------------------------------------------------------------------------------------------------------------
-// Per-group argument arrays, carved from the caller's scratch buffer
-// ---------------------------------------------------------------------------------------------------------------
-
-struct GroupArrays {
-  GroupShape* shapes;
-  const ElementA** a;
-  const ElementB** b;
-  void** d;  // ElementD* of the instantiation
-  const float** sfa;
-  const float** sfb;
-  StrideA* stride_a;
-  StrideB* stride_b;
-  StrideD* stride_d;
-  LayoutSFA* layout_sfa;
-  LayoutSFB* layout_sfb;
-};
-
-size_t CarveGroupArrays(char* base, int64_t num_groups, GroupArrays* out) {
-  size_t offset = 0;
-  sm90::TakeScratch(base, &offset, num_groups, &out->shapes);
-  sm90::TakeScratch(base, &offset, num_groups, &out->a);
-  sm90::TakeScratch(base, &offset, num_groups, &out->b);
-  sm90::TakeScratch(base, &offset, num_groups, &out->d);
-  sm90::TakeScratch(base, &offset, num_groups, &out->sfa);
-  sm90::TakeScratch(base, &offset, num_groups, &out->sfb);
-  sm90::TakeScratch(base, &offset, num_groups, &out->stride_a);
-  sm90::TakeScratch(base, &offset, num_groups, &out->stride_b);
-  sm90::TakeScratch(base, &offset, num_groups, &out->stride_d);
-  sm90::TakeScratch(base, &offset, num_groups, &out->layout_sfa);
-  sm90::TakeScratch(base, &offset, num_groups, &out->layout_sfb);
-  return offset;
-}
-
-template <class Config>
-typename Config::Gemm::Arguments MakeArguments(const GroupArrays& g, int num_groups, int device, int sm_count) {
-  using ElementD = typename Config::GemmKernel::ElementD;
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = device;
-  hw_info.sm_count = sm_count;
-  typename Config::Gemm::Arguments arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {num_groups, g.shapes, nullptr},  // problem shapes live on the device only
-      {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
-      {{}, nullptr, nullptr, reinterpret_cast<ElementD**>(g.d), g.stride_d},
-      hw_info};
-  auto& fusion = arguments.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.alpha_ptr_array = nullptr;
-  fusion.beta_ptr_array = nullptr;
-  fusion.dAlpha = {_0{}, _0{}, 0};
-  fusion.dBeta = {_0{}, _0{}, 0};
-  return arguments;
-}
+// The per-group arrays, carved from the caller's scratch buffer; d is untyped so that one setup kernel serves both
+// output types.
+using GroupArrays = sm90::GroupArrays<F32Out::GemmKernel, ScaleConfig, void>;
 
 template <class Config>
 size_t ScratchBytes(int64_t num_groups, int sm_count) {
-  GroupArrays arrays{};
-  const size_t array_bytes = CarveGroupArrays(nullptr, num_groups, &arrays);
-  const auto arguments = MakeArguments<Config>(arrays, static_cast<int>(num_groups), 0, sm_count);
-  return array_bytes + sm90::AlignScratch(Config::Gemm::get_workspace_size(arguments));
+  return sm90::ScratchBytes<typename Config::Gemm, GroupArrays>(num_groups, sm_count);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -233,14 +176,6 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(GroupedGem
   }
 }
 
-template <class Config>
-std::string RunGemm(cudaStream_t stream, int device, int sm_count, const GroupedGemmFp8WgradArgs& args,
-                    const GroupArrays& arrays, void* workspace) {
-  const auto arguments = MakeArguments<Config>(arrays, static_cast<int>(args.num_groups), device, sm_count);
-  return sm90::RunCachedGemm<typename Config::Gemm>(stream, device, sm_count, args.scratch, args.num_groups,
-                                                    arguments, workspace);
-}
-
 }  // namespace
 
 size_t GroupedGemmFp8WgradScratchBytesFor(int64_t num_groups, int sm_count) {
@@ -253,15 +188,13 @@ std::string LaunchGroupedGemmFp8Wgrad(cudaStream_t stream, int sm_count, const G
     return "more than 65535 groups, or a dimension past 2^31 - 1";
   }
   const size_t needed = GroupedGemmFp8WgradScratchBytesFor(args.num_groups, sm_count);
-  if (args.scratch_bytes < needed) {
-    return "scratch holds " + std::to_string(args.scratch_bytes) + " bytes, the call needs " + std::to_string(needed);
-  }
+  if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, needed); !error.empty()) return error;
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
 
   GroupArrays arrays{};
   char* base = static_cast<char*>(args.scratch);
-  const size_t array_bytes = CarveGroupArrays(base, args.num_groups, &arrays);
+  const size_t array_bytes = sm90::CarveGroupArrays(base, args.num_groups, &arrays);
   SetupWgradKernel<<<1, kSetupThreads, 0, stream>>>(args, arrays);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   const int64_t vecs = args.na * args.nb * (args.d_bf16 ? 2 : 4) / 16;
@@ -271,9 +204,10 @@ std::string LaunchGroupedGemmFp8Wgrad(cudaStream_t stream, int sm_count, const G
                           kZeroThreads, 0, stream>>>(args, arrays);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
-  void* workspace = base + array_bytes;
-  std::string error = args.d_bf16 ? RunGemm<Bf16Out>(stream, device, sm_count, args, arrays, workspace)
-                                  : RunGemm<F32Out>(stream, device, sm_count, args, arrays, workspace);
+  std::string error =
+      args.d_bf16
+          ? sm90::RunGroupedGemm<Bf16Out::Gemm>(stream, device, sm_count, base, args.num_groups, arrays, array_bytes)
+          : sm90::RunGroupedGemm<F32Out::Gemm>(stream, device, sm_count, base, args.num_groups, arrays, array_bytes);
   if (!error.empty()) return error;
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";
