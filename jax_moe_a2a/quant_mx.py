@@ -23,7 +23,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_moe_a2a import layout
+from jax_moe_a2a import _ffi, layout
 from jax_moe_a2a.quant import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_NAN_BITS, E8M0_NAN_BITS, FP8_AMAX_FLOOR,
                                MX_BLOCK, NVFP4_BLOCK, _check_2d, _check_dtype, _check_float_input,
                                _check_global_scale, _check_global_scale_value, _check_out_dtype, _e4m3_limit,
@@ -67,7 +67,15 @@ def quantize_mxfp8_reference(x: jax.Array, *, mx_alignment: Optional[int] = None
   return q, jax.lax.bitcast_convert_type(biased, jnp.float8_e8m0fnu)
 
 
-def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+def _ffi_quantize_mxfp8(x: jax.Array, cols: int) -> tuple[jax.Array, jax.Array]:
+  """The custom call jax_moe_a2a_quantize_mxfp8: one pass over x; the scale count carries the padding."""
+  m, k = x.shape
+  out = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, cols), jnp.float8_e8m0fnu))
+  return _ffi.ffi_call("quantize_mxfp8", out, x)
+
+
+def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None,
+                   impl: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Quantizes activations to MXFP8: E4M3 values with one power-of-two (E8M0) scale per 1x32 block.
 
   K is first padded with zero columns up to `pad(K, mx_alignment)` (`layout.dispatch_layout` gives the count).
@@ -90,6 +98,8 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple
   Args:
     x: `[M, K]` bfloat16, float16 or float32; K % 32 == 0 unless `mx_alignment` is given.
     mx_alignment: pad K up to this positive multiple of 32 before forming blocks (None: no padding).
+    impl: "ffi" (the custom call jax_moe_a2a_quantize_mxfp8), "reference" (the pure-JAX twin) or "auto" (see
+      `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
 
   Returns:
     x_q: `[M, K] float8_e4m3fn`.
@@ -102,7 +112,9 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple
   # Type and shape checks
   op = "quantize_mxfp8"
   _check_float_input(op, "x", x)
-  _mx_dims(op, "x", x, mx_alignment)
+  _, _, cols = _mx_dims(op, "x", x, mx_alignment)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    return _ffi_quantize_mxfp8(x, cols)
   return quantize_mxfp8_reference(x, mx_alignment=mx_alignment)
 
 
@@ -116,8 +128,16 @@ def dequantize_mxfp8_reference(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = 
   return g.reshape(m, cols * MX_BLOCK)[:, :k].astype(dtype)
 
 
+def _ffi_dequantize(target: str, shape: tuple[int, int], dtype: Any, *args: jax.Array) -> jax.Array:
+  """A dequantizing custom call: bfloat16, float16 and float32 are written directly; any other floating dtype is
+  the float32 result cast, as the twin casts its float32 values."""
+  direct = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+  out = _ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype if direct else jnp.float32), *args)
+  return out if direct else out.astype(dtype)
+
+
 def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[int] = None,
-                     dtype: Any = jnp.float32) -> jax.Array:
+                     dtype: Any = jnp.float32, impl: str = "auto") -> jax.Array:
   """Inverse of `quantize_mxfp8`: `float32(x_q) * 2^e` of its block, then cast to `dtype`.
 
   Args:
@@ -125,6 +145,7 @@ def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[
     x_sf: `[M, pad(K, mx_alignment) / 32] float8_e8m0fnu`, one scale per 1x32 block.
     mx_alignment: the alignment `x_sf` was made with (None: K % 32 == 0, no padding).
     dtype: the floating output dtype.
+    impl: "ffi" (the custom call jax_moe_a2a_dequantize_mxfp8), "reference" or "auto"; both give the same bits.
 
   Returns:
     `[M, K] dtype`; NaN blocks come back as NaN.
@@ -138,6 +159,8 @@ def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[
     raise ValueError(f"{op}: x_sf must be [M, pad(K, mx_alignment) / 32] = {(m, cols)} for x_q of shape "
                      f"{(m, k)} and mx_alignment={mx_alignment}, got shape {tuple(x_sf.shape)}")
   dtype = _check_out_dtype(op, dtype)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    return _ffi_dequantize("dequantize_mxfp8", (m, k), dtype, x_q, x_sf)
   return dequantize_mxfp8_reference(x_q, x_sf, dtype=dtype)
 
 
@@ -171,7 +194,7 @@ def nvfp4_global_scale_reference(x: jax.Array) -> jax.Array:
   return _true_div(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)), jnp.float32(E4M3_MAX * E2M1_MAX))
 
 
-def nvfp4_global_scale(x: jax.Array) -> jax.Array:
+def nvfp4_global_scale(x: jax.Array, *, impl: str = "auto") -> jax.Array:
   """The NVFP4 global (decode) scale of `x`: `max(amax, float32(1e-12)) / float32(2688)` (2688 = 448 * 6).
 
   amax is the largest |x| over the finite elements only, so a NaN or an infinity does not spoil the other
@@ -179,12 +202,17 @@ def nvfp4_global_scale(x: jax.Array) -> jax.Array:
 
   Args:
     x: any shape, bfloat16, float16 or float32.
+    impl: "ffi" (the custom call jax_moe_a2a_nvfp4_global_scale: one pass over x), "reference" or "auto"; both
+      give the same bits.
 
   Returns:
     `[] float32`.
   """
   # Type and shape checks
-  _check_float_input("nvfp4_global_scale", "x", x)
+  op = "nvfp4_global_scale"
+  _check_float_input(op, "x", x)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    return _ffi.ffi_call("nvfp4_global_scale", jax.ShapeDtypeStruct((), jnp.float32), x)
   return nvfp4_global_scale_reference(x)
 
 
@@ -198,7 +226,8 @@ def quantize_nvfp4_reference(x: jax.Array, *, global_scale: Optional[jax.Array] 
   amax = jnp.max(jnp.abs(g), axis=2)
   bad = jnp.any(~jnp.isfinite(g), axis=2)
   ratio = _true_div(_true_div(amax, jnp.float32(E2M1_MAX)), gs)
-  sf = jnp.clip(ratio, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  # ratio > 0 selects +0 for a zero, negative or NaN ratio (a bad global scale under jit): fixed bits everywhere.
+  sf = jnp.where(ratio > 0, jnp.minimum(ratio, jnp.float32(E4M3_MAX)), jnp.float32(0.0)).astype(jnp.float8_e4m3fn)
   # XLA may drop a narrowing conversion followed by a widening one (excess precision, on GPUs); the barrier keeps
   # the E4M3 rounding of the scale that divides the block.
   denom = jax.lax.optimization_barrier(sf).astype(jnp.float32) * gs
@@ -208,8 +237,16 @@ def quantize_nvfp4_reference(x: jax.Array, *, global_scale: Optional[jax.Array] 
   return x_q, _where_bits(bad, E4M3_NAN_BITS, sf), gs
 
 
-def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _ffi_quantize_nvfp4(x: jax.Array, global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The custom call jax_moe_a2a_quantize_nvfp4: one pass over x with the global scale read on the device."""
+  m, k = x.shape
+  out = (jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
+         jax.ShapeDtypeStruct((m, k // NVFP4_BLOCK), jnp.float8_e4m3fn))
+  return _ffi.ffi_call("quantize_nvfp4", out, x, global_scale)
+
+
+def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None,
+                   impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
   """Quantizes activations to NVFP4: E2M1 values, one E4M3 scale per 1x16 block, one FP32 global scale.
 
   `global_scale` is the FP32 *decode* factor: x ≈ e2m1 value * float32(block scale) * global_scale. In float32,
@@ -217,8 +254,8 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
 
   1. `global_scale` (when not given) `= max(amax(x), 1e-12) / 2688`, amax over the finite elements of x (see
      `nvfp4_global_scale`);
-  2. `s_b = e4m3(clip((max(|g|) / 6) / global_scale, 0, 448))` (correctly rounded divisions, round to nearest
-     even; the clip only matters for a given global_scale that is too small);
+  2. `r = (max(|g|) / 6) / global_scale` (correctly rounded divisions) and `s_b = e4m3(min(r, 448))` where r > 0,
+     else +0 (round to nearest even; the 448 only matters for a given global_scale that is too small);
   3. `d = float32(s_b) * global_scale`; the codes are `e2m1(g / d)`, rounded to nearest even on the grid
      {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturated at ±6, sign kept (so -0 and small negatives give code 0x8);
   4. when `s_b` is 0 (an all-zero block, or one far below the global scale) every code of the block is +0;
@@ -238,6 +275,9 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
       committed array) is checked. A traced one (under `jax.jit`, where its value is not known) cannot be: there
       a zero or negative scale gives all-zero codes (every block dequantizes to 0) and a NaN or infinite one
       gives blocks that dequantize to NaN, with no error.
+    impl: "ffi" (the custom calls jax_moe_a2a_nvfp4_global_scale, when the scale is derived, and
+      jax_moe_a2a_quantize_nvfp4), "reference" (the pure-JAX twin) or "auto" (see
+      `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
 
   Returns:
     x_q: `[M, K/2] uint8`, two E2M1 codes per byte.
@@ -258,6 +298,10 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None
   if global_scale is not None:
     global_scale = _check_global_scale(op, global_scale)
     _check_global_scale_value(op, global_scale)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    if global_scale is None:
+      global_scale = nvfp4_global_scale(x, impl="ffi")
+    return (*_ffi_quantize_nvfp4(x, global_scale), global_scale)
   return quantize_nvfp4_reference(x, global_scale=global_scale)
 
 
@@ -272,7 +316,7 @@ def dequantize_nvfp4_reference(x_q: jax.Array, x_sf: jax.Array, global_scale: ja
 
 
 def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
-                     dtype: Any = jnp.float32) -> jax.Array:
+                     dtype: Any = jnp.float32, impl: str = "auto") -> jax.Array:
   """Inverse of `quantize_nvfp4`: `(e2m1 value * float32(s_b)) * global_scale`, then cast to `dtype`.
 
   Args:
@@ -280,6 +324,7 @@ def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *
     x_sf: `[M, K/16] float8_e4m3fn`, one scale per 1x16 block.
     global_scale: `[] float32` decode factor.
     dtype: the floating output dtype.
+    impl: "ffi" (the custom call jax_moe_a2a_dequantize_nvfp4), "reference" or "auto"; both give the same bits.
 
   Returns:
     `[M, K] dtype`; NaN blocks come back as NaN.
@@ -298,4 +343,6 @@ def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *
                      f"got shape {tuple(x_sf.shape)}")
   global_scale = _check_global_scale(op, global_scale)
   dtype = _check_out_dtype(op, dtype)
+  if _ffi.resolve_impl(op, impl) == "ffi":
+    return _ffi_dequantize("dequantize_nvfp4", (m, k), dtype, x_q, x_sf, global_scale)
   return dequantize_nvfp4_reference(x_q, x_sf, global_scale, dtype=dtype)

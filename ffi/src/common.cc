@@ -22,6 +22,7 @@ std::string DataTypeName(ffi::DataType dtype) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
     case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
     default: return "dtype #" + std::to_string(static_cast<int>(dtype));
   }
 }

@@ -7,11 +7,16 @@
 
 #include "xla/ffi/api/ffi.h"
 
-// By op: quant.cc, a2a.cc, grouped_gemm.cc, rows.cc.
+// By op: quant.cc, quant_mx.cc, a2a.cc, grouped_gemm.cc, rows.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeMxfp8Cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDequantizeMxfp8Cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aNvfp4GlobalScaleCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeNvfp4Cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDequantizeNvfp4Cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cpu);
@@ -25,6 +30,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8BlockwiseCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeMxfp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDequantizeMxfp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aNvfp4GlobalScaleCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aQuantizeNvfp4Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDequantizeNvfp4Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aDispatchCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aCombineCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxMoeA2aGroupedGemmFp8Cuda);

@@ -41,6 +41,11 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         cpu["jax_moe_a2a_quantize_fp8_weight_with_transpose"] =
             jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightWithTransposeCpu);
         cpu["jax_moe_a2a_quantize_fp8_grouped_kmajor"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8GroupedKmajorCpu);
+        cpu["jax_moe_a2a_quantize_mxfp8"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeMxfp8Cpu);
+        cpu["jax_moe_a2a_dequantize_mxfp8"] = jax_moe_a2a::Capsule(JaxMoeA2aDequantizeMxfp8Cpu);
+        cpu["jax_moe_a2a_nvfp4_global_scale"] = jax_moe_a2a::Capsule(JaxMoeA2aNvfp4GlobalScaleCpu);
+        cpu["jax_moe_a2a_quantize_nvfp4"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeNvfp4Cpu);
+        cpu["jax_moe_a2a_dequantize_nvfp4"] = jax_moe_a2a::Capsule(JaxMoeA2aDequantizeNvfp4Cpu);
         cpu["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCpu);
         cpu["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCpu);
         cpu["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cpu);
@@ -57,6 +62,11 @@ PYBIND11_MODULE(_jax_moe_a2a, m) {
         cuda["jax_moe_a2a_quantize_fp8_weight_with_transpose"] =
             jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda);
         cuda["jax_moe_a2a_quantize_fp8_grouped_kmajor"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeFp8GroupedKmajorCuda);
+        cuda["jax_moe_a2a_quantize_mxfp8"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeMxfp8Cuda);
+        cuda["jax_moe_a2a_dequantize_mxfp8"] = jax_moe_a2a::Capsule(JaxMoeA2aDequantizeMxfp8Cuda);
+        cuda["jax_moe_a2a_nvfp4_global_scale"] = jax_moe_a2a::Capsule(JaxMoeA2aNvfp4GlobalScaleCuda);
+        cuda["jax_moe_a2a_quantize_nvfp4"] = jax_moe_a2a::Capsule(JaxMoeA2aQuantizeNvfp4Cuda);
+        cuda["jax_moe_a2a_dequantize_nvfp4"] = jax_moe_a2a::Capsule(JaxMoeA2aDequantizeNvfp4Cuda);
         cuda["jax_moe_a2a_dispatch"] = jax_moe_a2a::Capsule(JaxMoeA2aDispatchCuda);
         cuda["jax_moe_a2a_combine"] = jax_moe_a2a::Capsule(JaxMoeA2aCombineCuda);
         cuda["jax_moe_a2a_grouped_gemm_fp8"] = jax_moe_a2a::Capsule(JaxMoeA2aGroupedGemmFp8Cuda);
