@@ -195,9 +195,8 @@ SCAN_BLOCKS = 256
 # Dispatch calls of at most LL_MAX_TOKENS tokens per rank send a peer its rows in LL form: every 4 bytes of the row
 # (x, then scales, ids and weights) in an 8-byte unit with the call's epoch, so that one 64-bit store makes a unit
 # whole and the receiver needs neither a fence before it nor a ready word after it, at twice the bytes on the wire.
-# It takes rows whose x part is whole 16-byte vectors and whose scale part is whole 4-byte words. On two H200s
-# (hidden 7168, FP8 wire) it was 2.4-2.9 us faster than fenced pieces at 48-64 tokens, level at 96 and 1.2-1.4 us
-# slower at 128 (bench/results/a2a_dispatch_sweep_20261201-002500.json).
+# It takes rows whose x part is whole 16-byte vectors and whose scale part is whole 4-byte words. Past about 64
+# tokens the doubled bytes cost more than the fences save (docs/PERFORMANCE.md).
 LL_MAX_TOKENS = 64
 LL_UNIT_BYTES = 8
 

@@ -20,8 +20,8 @@
 //     ids and weights); slots past a source's count are padded.
 //   - Small dispatch calls (p.attrs.ll_tokens, layout.LL_MAX_TOKENS) send peers their rows in LL form instead: every
 //     4-byte word with the epoch in one 8-byte unit, so neither a fence nor a ready word stands between a store
-//     and its use; twice the bytes on the wire, which pays up to ~64-96 tokens on two H200s. Each receive warp
-//     polls the units of its (source, slot, piece) items until they carry its epoch.
+//     and its use; twice the bytes on the wire, which pays only for small calls (docs/PERFORMANCE.md). Each
+//     receive warp polls the units of its (source, slot, piece) items until they carry its epoch.
 //   - Combine senders return the expert rows to their sources, items in slot order across every sender warp;
 //     block 0 posts the op flag first. Reducers take two tokens per block at a time; each warp waits for the ready
 //     words of the pieces it reads (a lane per word) and sums over ranks in ascending order in float32 from -0.0
@@ -40,7 +40,7 @@
 //   - A wait that expires records the missing source in the device's abort word (polled by every waiter, so the
 //     others stop too) and in a host-mapped error word (read by the handler) and stops waiting; the outputs of
 //     that call are then undefined and the handler fails every later call on the workspace. Waiters never read
-//     host memory: a PCIe read per spin, from hundreds of waiting blocks, delayed each wait by ~100 us.
+//     host memory: a PCIe read per spin, from hundreds of waiting blocks, would delay every wait.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -165,9 +165,8 @@ __device__ uint64_t BeginCall(uint64_t* sync) {
 }
 
 // Block gridDim.x - 1 advances the epoch to e once every block has arrived (and so has read it); the other blocks end
-// without waiting. Each block arrives as it starts, waiting on nothing of this one, so the wait ends. On one H200
-// this took 0.5-0.9 us off a dispatch and 0.3-1.2 us off a combine, against an atomic at every block's end that found
-// the last to finish.
+// without waiting. Each block arrives as it starts, waiting on nothing of this one, so the wait ends, and no block
+// pays an atomic round trip at its end to find out whether it was the last.
 __device__ void EndCall(uint64_t* sync, uint64_t e) {
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
     while (*reinterpret_cast<volatile uint64_t*>(&sync[1]) < gridDim.x) {
@@ -270,8 +269,8 @@ __device__ __noinline__ void CountDestinations(const Routing routing, int64_t co
 // its own tokens, posts the counts to the scan region of this device ([block, rank] uint64 words, CountWord(e, n))
 // and adds up those of the blocks before it, rather than counting every token before its range (a step of
 // CountDestinations per kCountStep tokens). A block waits only for blocks of lower index, which post before they wait
-// for anything: the wait ends once they run. On one H200 (one rank), per dispatch: 0.7 us less at 1024 tokens, 2.3-2.6
-// at 2048 and 7.2 at 4096; scanning at 1-512 tokens, where the prefix takes one step, cost 0.4-0.9 us.
+// for anything: the wait ends once they run. Below kScanTokens the prefix takes one step and the scan costs more than
+// it saves.
 constexpr int64_t kScanTokens = kThreads;
 
 // Posts this block's counts per rank (own_counts, shared) to the scan words of call e and adds those of every earlier
@@ -298,8 +297,7 @@ __device__ __forceinline__ int32_t LocalExpert(int32_t id, int r, int local, int
 // A row's scales, ids and weights in the lanes of a warp: lane i holds the i-th 16 bytes of the scale row and the
 // i-th id and weight. Used where the row fits (Fits; the receive regions' scale rows are then 16-byte aligned too,
 // as every region starts on a 128-byte boundary), so that their loads go out with the row's first piece instead of
-// one round trip after another. On two H200s, per dispatch: 1.5 us less at 512 tokens on the send side, 0.2-0.5 us
-// less at 1-512 tokens and 1.4 us at 4096 on the receive side.
+// one round trip after another.
 struct RowMeta {
   uint4 sf;
   int32_t id;
@@ -380,8 +378,8 @@ __device__ __forceinline__ uint32_t MetaWord(const DispatchParams& p, int64_t t,
 
 // A sender warp's items whose ready words are still to be raised. Items of one piece are fenced in pairs: a fence
 // waits until the warp's stores have reached the peers, so the second piece's stores go out before that wait rather
-// than after it (3 us less per dispatch at 512 tokens on two H200s). Whole rows are fenced one by one, so that
-// receivers start copying them while the next rows are on the wire.
+// than after it. Whole rows are fenced one by one, so that receivers start copying them while the next rows are on
+// the wire.
 class FencedReady {
  public:
   // Records item (row, first piece) of the warp (warp-uniform).
@@ -483,8 +481,7 @@ __device__ __forceinline__ void DispatchSend(const DispatchParams& p, uint64_t e
   }
   // An item is `group` pieces of a token: its whole row once the range has a row for every warp, else two pieces where
   // the rows split so and the range has two pieces for every warp, else one. Fewer, larger items need fewer fences
-  // (one per item and warp) and have more pieces in flight per load. On one H200 as two ranks (33 sender blocks), per
-  // dispatch: 2.1 us less at 256 tokens and 5.8 at 512, against whole rows only from two rows per warp; level at 128.
+  // (one per item and warp) and have more pieces in flight per load.
   const int64_t pieces = Pieces(p.x_row);
   const int whole = static_cast<int>(pieces), per_warp = static_cast<int>((end - begin) * pieces / kWarps);
   const int64_t group = per_warp >= whole ? whole : whole % 2 == 0 && per_warp >= 2 ? 2 : 1, per_token = pieces / group;
@@ -811,8 +808,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchKernel(const __grid_const
   const int64_t buf = static_cast<int64_t>(e & 1) * p.attrs.buffer_stride;
   // Code out of line reaches the kernel parameter through a pointer, and loads each field it reads through memory;
   // inlined code reads it from the constant bank. The send role is inlined; the receive role stays out of line (the
-  // two roles inlined together spill several hundred bytes) and reads a copy of p in shared memory instead. On one
-  // H200 (one rank), per dispatch: 1.0 us less at 1 token, 0.8 us at 128, 2.2 us at 4096.
+  // two roles inlined together spill several hundred bytes) and reads a copy of p in shared memory instead.
   if (static_cast<int>(blockIdx.x) < p.senders) {
     DispatchSend(p, e, buf);
   } else {
@@ -931,10 +927,8 @@ __device__ void CombineSend(const CombineParams& p, uint64_t e, int64_t buf) {
 // threads across its row: a thread sums up to kReduceVecs vectors of 8 consecutive values over the ranks, in ascending
 // rank order, in float32. Each warp works on its own: its lanes poll the ready words of the pieces it reads from
 // peers, one word each, and it loads the rows of kRanksInFlight ranks at once; a token's send slots are read a token
-// ahead. On one H200 as two ranks (a2a_latency --ranks 2), per combine: 0.6 us less at 128 tokens, 5.6 at 512, 13.5 at
-// 1024 and 72 at 4096 (184 against 257 us), against a thread that polled its four words one after another and loaded
-// one rank's row at a time; level as one rank. Four tokens per block (eight vectors a thread, a rank at a time) took
-// another 28 us off at 4096 tokens but added 0.5-1.5 us at 1-128.
+// ahead: the polls and loads of a warp are in flight together instead of one round trip after another. Two tokens
+// per block keep small combines spread over more blocks.
 constexpr int kReduceTokens = 2;
 constexpr int kReduceVecs = 4;
 constexpr int kRanksInFlight = 2;
@@ -1040,10 +1034,8 @@ int Blocks(int64_t work_items, int64_t per_block, int cap) {
   return static_cast<int>(b < 1 ? 1 : (b > cap ? cap : b));
 }
 
-// At most this share of the multiprocessors receives (dispatch) or reduces (combine), the send role gets the rest.
-// Measured on two H200s, kernels alone: 1/3 and 1/4 to the receive side were 15-20% slower at 4096 tokens; 2/5 was
-// slower in both ops; 3/5 was slower for dispatch at 512-4096 tokens, and took 8% off combine at 2048 tokens, level
-// at 128-4096 (5/8 no better; bench/results/a2a_share_sweep_20261201-092500.json).
+// At most this share of the multiprocessors receives (dispatch) or reduces (combine), the send role gets the rest:
+// combine's reduction reads every rank's rows and so takes more of them (the shares tried: docs/PERFORMANCE.md).
 int ReceiveShare(int num_sms) { return std::max(1, num_sms / 2); }
 int ReduceShare(int num_sms) { return std::max(1, num_sms * 3 / 5); }
 
