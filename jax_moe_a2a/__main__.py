@@ -4,7 +4,7 @@
            backward under jit, checked against the dense oracle (``demo --help`` lists its options)
   report   the wire formats' payload and workspace bytes for a model shape, and a quantization check through
            the custom call and its pure-JAX twin
-  bench    run a benchmark script of the repository's bench/ folder (e.g. ``bench quant``)
+  bench    run a benchmark script of the repository's bench/ folder (e.g. ``bench quant``; needs a checkout)
   plan     expert parallelism over nodes on paper: bytes per link and predicted dispatch/combine times, flat
            against two-level (``plan --help``)
 """
@@ -214,11 +214,13 @@ def _check_demo(args: argparse.Namespace) -> None:
 
 def _check_bench(args: argparse.Namespace) -> None:
   bench_dir = _bench_dir()
+  if not os.path.isdir(bench_dir):  # an installed package: the benchmarks live in the repository only
+    raise _OptionError(None, f"bench needs a checkout of the repository: it runs the scripts of its bench/ folder, "
+                             f"which the installed package does not have (no {bench_dir}); clone the repository, "
+                             f"`pip install -e .` there and run it from the checkout")
   if not os.path.exists(os.path.join(bench_dir, f"bench_{args.name}.py")):
-    available = sorted(f[6:-3] for f in os.listdir(bench_dir) if f.startswith("bench_") and f.endswith(".py")) \
-        if os.path.isdir(bench_dir) else []
-    where = ", ".join(available) if available else "none: run from a checkout"
-    raise _OptionError("name", f"must name a benchmark of {bench_dir} ({where}), got {args.name!r}")
+    available = sorted(f[6:-3] for f in os.listdir(bench_dir) if f.startswith("bench_") and f.endswith(".py"))
+    raise _OptionError("name", f"must name a benchmark of {bench_dir} ({', '.join(available)}), got {args.name!r}")
 
 
 def main(argv=None) -> int:

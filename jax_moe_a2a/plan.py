@@ -21,8 +21,8 @@ bf16 rows (2H) on combine's NVLink legs and float32 partial sums (4H) on two-lev
   (GPUs, or nodes) in expectation (`destinations`; tests/test_plan.py checks it against sampled routing).
 - A leg that moves B bytes per GPU over a link takes ``latency + B / bandwidth``. NVLink: the one-sided kernels'
   latency and per-GPU payload bandwidth fitted (least squares over 32..4096 tokens per rank) to the measured 2xH200
-  runs in `NVLINK_CALIBRATION` (dispatch and combine separately); assumed to hold for G > 2 GPUs per node, which is
-  not measured. NIC: ``nic_gbps * nic_efficiency / 8`` GB/s per GPU and direction, and a fixed latency per exchange
+  runs in `NVLINK_RUNS` (dispatch and combine separately); assumed to hold for G > 2 GPUs per node, which is not
+  measured. NIC: ``nic_gbps * nic_efficiency / 8`` GB/s per GPU and direction, and a fixed latency per exchange
   (assumptions, options of the command; the defaults are a 400 Gb/s NIC per GPU at 80 % and 20 us).
 - One-level exchanges use both links at once (time = the slower leg); two-level runs its legs one after the other
   (dispatch: node leg, then NVLink; combine: NVLink, then node leg), with no overlap between them.
@@ -35,17 +35,40 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Optional, Sequence
 
 from jax_moe_a2a import layout
 
-# The measured runs the NVLink legs are calibrated on (2xH200, one process per pair of GPUs, fp8_blockwise wire,
-# hidden 7168, top-8 of 256 experts), relative to the repository root.
+# The measured runs the NVLink legs are calibrated on (2xH200, one process for both GPUs, fp8_blockwise wire, hidden
+# 7168, top-8 of 256 experts, the tree of commit 1d418da): the one-sided rows of this result file of the repository,
+# copied here so that an installed package has them (tests/test_plan.py checks the copy against the file).
 NVLINK_CALIBRATION = "bench/results/a2a_2ranks_20261201-092948.json"
-# Least-squares fit of steady_gpu_us = latency_us + nvlink_bytes_per_gpu / (bandwidth_gbps * 1e3) over the file's
-# one-sided rows of 32..4096 tokens per rank (`fit_nvlink` recomputes it; tests/test_plan.py checks the two agree).
+NVLINK_RUNS = (  # (op, tokens per rank, NVLink payload bytes per GPU, steady-state GPU us per call)
+    ("dispatch", 1, 7456, 8.344777777777777),
+    ("combine", 1, 14336, 7.2283333333333335),
+    ("dispatch", 8, 59648, 9.333222222222222),
+    ("combine", 8, 114688, 9.126888888888889),
+    ("dispatch", 32, 238592, 10.727),
+    ("combine", 32, 458752, 9.880666666666666),
+    ("dispatch", 64, 473456, 12.526),
+    ("combine", 64, 910336, 11.032777777777778),
+    ("dispatch", 128, 943184, 13.425555555555555),
+    ("combine", 128, 1813504, 14.051444444444446),
+    ("dispatch", 512, 3798832, 23.391666666666666),
+    ("combine", 512, 7304192, 35.98877777777778),
+    ("dispatch", 4096, 30405568, 105.87255555555555),
+    ("combine", 4096, 58462208, 181.913),
+)
+# Least-squares fit of steady_gpu_us = latency_us + nvlink_bytes_per_gpu / (bandwidth_gbps * 1e3) over the one-sided
+# runs of 32..4096 tokens per rank (`fit_nvlink` recomputes it; tests/test_plan.py checks the two agree).
 NVLINK_FIT = {"dispatch": (10.73, 319.3), "combine": (9.88, 338.8)}  # (latency_us, bandwidth GB/s)
+
+
+def nvlink_runs(path: str) -> tuple[tuple[str, int, int, float], ...]:
+  """The one-sided rows of a 2-GPU `bench a2a` result file, as `NVLINK_RUNS` holds them."""
+  with open(path, encoding="utf-8") as f:
+    return tuple((r["op"], r["tokens_per_rank"], int(r["nvlink_bytes_per_gpu"]), r["steady_gpu_us"])
+                 for r in json.load(f)["rows"] if r["impl"] == "ffi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +117,15 @@ def destinations(num_experts: int, top_k: int, groups: int) -> float:
   return groups * (1.0 - miss)
 
 
-def fit_nvlink(path: str, op: str, min_tokens: int = 32) -> tuple[float, float]:
-  """(latency_us, bandwidth GB/s) of `op`'s one-sided rows in a `bench a2a` result file, by least squares over the
-  rows of at least `min_tokens` tokens per rank."""
-  with open(path, encoding="utf-8") as f:
-    rows = [r for r in json.load(f)["rows"]
-            if r["op"] == op and r["impl"] == "ffi" and r["tokens_per_rank"] >= min_tokens]
+def fit_nvlink(op: str, runs: Sequence[tuple[str, int, int, float]] = NVLINK_RUNS,
+               min_tokens: int = 32) -> tuple[float, float]:
+  """(latency_us, bandwidth GB/s) of `op`'s runs (as in `NVLINK_RUNS`), by least squares over those of at least
+  `min_tokens` tokens per rank."""
+  rows = [(b, us) for o, tokens, b, us in runs if o == op and tokens >= min_tokens]
   if len(rows) < 2:
-    raise ValueError(f"fit_nvlink: {path} has fewer than two one-sided {op} rows of >= {min_tokens} tokens")
-  xs = [r["nvlink_bytes_per_gpu"] for r in rows]
-  ys = [r["steady_gpu_us"] for r in rows]
+    raise ValueError(f"fit_nvlink: runs must hold at least two {op} runs of >= {min_tokens} tokens, got {len(rows)}")
+  xs = [b for b, _ in rows]
+  ys = [us for _, us in rows]
   mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
   slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
   return my - slope * mx, 1.0 / (slope * 1e3)
@@ -193,16 +215,14 @@ def format_table(rows: Sequence[tuple[int, int, list[Plan]]]) -> str:
   return "\n".join(lines)
 
 
-def calibration_check(path: str) -> list[tuple[str, int, float, float]]:
-  """(op, tokens per rank, measured us, predicted us) for the one-sided rows of a 2-GPU `bench a2a` file: the
-  model's NVLink leg against what it was fitted on."""
-  with open(path, encoding="utf-8") as f:
-    rows = [r for r in json.load(f)["rows"] if r["impl"] == "ffi"]
+def calibration_check(runs: Sequence[tuple[str, int, int, float]] = NVLINK_RUNS
+                      ) -> list[tuple[str, int, float, float]]:
+  """(op, tokens per rank, measured us, predicted us) for measured runs (as in `NVLINK_RUNS`): the model's NVLink
+  leg against what it was fitted on."""
   out = []
-  for r in rows:
-    latency, gbps = NVLINK_FIT[r["op"]]
-    out.append((r["op"], r["tokens_per_rank"], r["steady_gpu_us"],
-                latency + r["nvlink_bytes_per_gpu"] / (gbps * 1e3)))
+  for op, tokens, num_bytes, measured in runs:
+    latency, gbps = NVLINK_FIT[op]
+    out.append((op, tokens, measured, latency + num_bytes / (gbps * 1e3)))
   return out
 
 
@@ -217,10 +237,8 @@ def run(args) -> int:
         f"{args.wire} wire; NIC {args.nic_gbps:g} Gb/s per GPU at {args.nic_efficiency:g}, "
         f"{args.nic_latency_us:g} us per exchange; NVLink legs fitted to {NVLINK_CALIBRATION}\n")
   print(format_table(table))
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), NVLINK_CALIBRATION)
-  if os.path.exists(path):
-    print(f"\nNVLink legs against the measured 2xH200 runs ({NVLINK_CALIBRATION}):")
-    for op, tokens, measured, predicted in calibration_check(path):
-      print(f"  {op:<8} {tokens:>5} tokens per rank: measured {measured:7.1f} us, model {predicted:7.1f} us "
-            f"({(predicted - measured) / measured:+.0%})")
+  print(f"\nNVLink legs against the measured 2xH200 runs ({NVLINK_CALIBRATION}):")
+  for op, tokens, measured, predicted in calibration_check():
+    print(f"  {op:<8} {tokens:>5} tokens per rank: measured {measured:7.1f} us, model {predicted:7.1f} us "
+          f"({(predicted - measured) / measured:+.0%})")
   return 0

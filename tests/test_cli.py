@@ -2,8 +2,10 @@
 is a usage error naming its option (exit status 2, no traceback), found before any heavy work."""
 
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -113,3 +115,40 @@ def test_the_command_ends_in_a_usage_error_without_a_traceback(argv, expected):
                         cwd=ROOT, timeout=120, check=False)
   assert proc.returncode == 2, proc.stdout + proc.stderr
   assert "Traceback" not in proc.stderr and expected in proc.stderr, proc.stderr
+
+
+def test_bench_without_a_checkout_says_it_needs_one(capsys, monkeypatch, tmp_path, no_run):
+  monkeypatch.setattr(cli, "_bench_dir", lambda: str(tmp_path / "bench"))
+  err = _usage_error(["bench", "quant"], capsys)
+  assert ("python -m jax_moe_a2a bench: error: bench needs a checkout of the repository: it runs the scripts of its "
+          f"bench/ folder, which the installed package does not have (no {tmp_path / 'bench'})") in err
+
+
+def _run_installed(tmp_path, *argv):
+  """`python -m jax_moe_a2a *argv` from a copy of the package laid out as a wheel installs it (its modules alone, no
+  bench/ beside them, no extension), run outside the checkout. -S leaves the .pth files out, so the checkout's
+  editable install does not shadow the copy; this environment's site-packages (jax) come after it."""
+  site = tmp_path / "site"
+  if not site.exists():
+    shutil.copytree(os.path.join(ROOT, "jax_moe_a2a"), site / "jax_moe_a2a",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+  code = ("import runpy, sys; sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]; "
+          "runpy.run_module('jax_moe_a2a', run_name='__main__', alter_sys=True)")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run([sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"], *argv],
+                        cwd=tmp_path, env=env,
+                        capture_output=True, text=True, check=False, timeout=300)
+
+
+def test_plan_report_and_bench_from_an_installed_package(tmp_path):
+  r = _run_installed(tmp_path, "plan", "--nodes", "2")
+  assert r.returncode == 0, r.stderr
+  assert "| 2 × 8 | two-level |" in r.stdout
+  assert "dispatch  4096 tokens per rank: measured   105.9 us" in r.stdout  # the packaged calibration
+  r = _run_installed(tmp_path, "report", "--tokens", "8")
+  assert r.returncode == 0, r.stderr
+  assert "extension: missing" in r.stdout and "fp8_blockwise" in r.stdout
+  r = _run_installed(tmp_path, "bench", "quant")
+  assert r.returncode == 2 and "error: bench needs a checkout of the repository" in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr

@@ -48,16 +48,25 @@ def test_destinations_refuse_bad_arguments():
     plan.destinations(16, 17, 2)
 
 
+def test_the_packaged_runs_are_those_of_the_cited_file():
+  assert plan.nvlink_runs(os.path.join(ROOT, plan.NVLINK_CALIBRATION)) == plan.NVLINK_RUNS
+
+
 def test_nvlink_fit_is_the_fit_of_the_cited_runs():
-  path = os.path.join(ROOT, plan.NVLINK_CALIBRATION)
+  runs = plan.nvlink_runs(os.path.join(ROOT, plan.NVLINK_CALIBRATION))
   for op, (latency, gbps) in plan.NVLINK_FIT.items():
-    got_latency, got_gbps = plan.fit_nvlink(path, op)
-    assert abs(got_latency - latency) < 0.01 and abs(got_gbps - gbps) < 0.1, (op, got_latency, got_gbps)
+    for got_latency, got_gbps in (plan.fit_nvlink(op), plan.fit_nvlink(op, runs)):
+      assert abs(got_latency - latency) < 0.01 and abs(got_gbps - gbps) < 0.1, (op, got_latency, got_gbps)
+
+
+def test_nvlink_fit_refuses_fewer_than_two_runs():
+  with pytest.raises(ValueError, match=r"fit_nvlink: runs must hold at least two combine runs of >= 32 tokens, got 1"):
+    plan.fit_nvlink("combine", [("combine", 64, 1000, 10.0), ("combine", 8, 100, 9.0), ("dispatch", 64, 10, 1.0)])
 
 
 def test_nvlink_legs_predict_the_measured_runs_within_20_percent_from_32_tokens():
-  checks = plan.calibration_check(os.path.join(ROOT, plan.NVLINK_CALIBRATION))
-  assert {op for op, *_ in checks} == {"dispatch", "combine"}
+  checks = plan.calibration_check()
+  assert {op for op, *_ in checks} == {"dispatch", "combine"} and len(checks) == len(plan.NVLINK_RUNS)
   for op, tokens, measured, predicted in checks:
     if tokens >= 32:
       assert abs(predicted - measured) <= 0.2 * measured, (op, tokens, measured, predicted)
