@@ -138,6 +138,8 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None)
   now = datetime.datetime.now(datetime.timezone.utc)
   record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": git_commit(),
             "device": device_description(), "date": now.isoformat(timespec="seconds"), **payload}
+  if record["commit"].endswith("+dirty"):  # tests/test_results.py asks such a file to be labelled and listed
+    record.setdefault("uncommitted", "the checkout had uncommitted changes to tracked files")
   if os.environ.get("XLA_FLAGS"):  # they change what XLA compiles (e.g. autotuning), so they are part of the command
     record["xla_flags"] = os.environ["XLA_FLAGS"]
   path = os.path.join(out_dir, f"{name}_{now.strftime('%Y%m%d-%H%M%S')}.json")

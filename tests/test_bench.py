@@ -160,3 +160,12 @@ def test_fp8_error_budget_adds_up_and_refuses_sizes_off_the_blocks(capsys):
   with pytest.raises(SystemExit):
     budget.main(["--hidden", "200"])
   assert "--hidden must be a multiple of 128, got 200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("commit,labelled", [("0123abc", False), ("0123abc+dirty", True)])
+def test_a_result_of_a_dirty_checkout_is_labelled_uncommitted(tmp_path, monkeypatch, commit, labelled):
+  common = _import_bench("common")
+  monkeypatch.setenv("JAX_MOE_A2A_COMMIT", commit)
+  rec = json.loads(open(common.write_result("x", {"rows": []}, str(tmp_path)), encoding="utf-8").read())
+  assert rec["commit"] == commit and ("uncommitted" in rec) == labelled
+  assert os.path.basename(common.write_result("x", {}, str(tmp_path))).startswith("x_")
