@@ -27,6 +27,15 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
                  between nodes (here the data axis, of size 1 on one host) on XLA's collectives, then the one inside
                  the node; what two levels cost over the flat path where no token leaves the node
 
+The Flax layers (flax_moe), each on bf16's configuration and program (``_ws``: given the same workspace), so their
+rows differ from bf16's (bf16_ws's) by how the layer is called alone:
+  nnx_call       the NNX layer called outside jit, ``layer(x)`` (forward only)
+  nnx_jit        ``nnx.jit`` of a function of the layer, Flax's default (graph) mode: the program also returns every
+                 parameter, a copy per call
+  nnx_jit_tree   ``nnx.jit(..., graph=False)``, Flax's tree mode (where the installed Flax has it)
+  nnx_jit_apply  ``flax_moe.jit_apply(layer)``: jax.jit over the layer's state
+  linen_jit      ``jax.jit`` of ``LinenMoE.apply``
+
 Forward+backward is the value and the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and
 x, as a training step takes them (with the gradient alone, XLA would prune the forward's last GEMMs, whose output
 no gradient reads).
@@ -65,6 +74,9 @@ from jax_moe_a2a.testing import calc_diff  # noqa: E402
 BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_dgrad", "fp8_fp8bwd", "fp8_bf16wire", "fp8_stored")
 VARIANTS = BASE_VARIANTS + tuple(v + "_ws" for v in BASE_VARIANTS[2:])
 VARIANTS += tuple(v + "_2l" for v in VARIANTS[1:])
+FLAX_VARIANTS = ("nnx_call", "nnx_jit", "nnx_jit_tree", "nnx_jit_apply", "linen_jit")
+FLAX_VARIANTS += tuple(v + "_ws" for v in FLAX_VARIANTS)
+VARIANTS += FLAX_VARIANTS
 DEFAULT_VARIANTS = ("einsum", "twin", "bf16", "bf16_ws", "fp8", "fp8_ws", "fp8_stored", "fp8_stored_ws")
 # Stage scopes, innermost first wins: an op is attributed to the last of these names in its op_name path.
 STAGES = ("router", "aux", "wire_encode", "moe_dispatch", "wire_decode", "permute", "experts", "unpermute",
@@ -201,6 +213,73 @@ def _einsum_fns(args, mesh, tokens: int):
       (fwd, fwd_bwd, (w_gu, w_dn)), None
 
 
+def _flax_fns(variant: str, args, mesh, tokens: int):
+  """(forward, forward+backward or None, make inputs, workspace or None, jitted, accuracy) of one Flax variant."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel  (only these variants need Flax)
+  from jax_moe_a2a import flax_moe  # pylint: disable=import-outside-toplevel
+  base = variant[:-3] if variant.endswith("_ws") else variant
+  config = _config("bf16", args)
+  num_tokens = tokens * jax.device_count()
+  ws = moe.make_workspace(config, mesh, num_tokens, training=True) if variant.endswith("_ws") else None
+  workspace = "off" if ws is None else ws
+  x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(config.token_axes, None))
+
+  def loss(out, ct):
+    y, aux = out
+    return jnp.sum(y.astype(jnp.float32) * ct) + aux["load_balance_loss"]
+
+  def nnx_grads(g) -> dict:  # graph mode gives a State, tree mode a Module of gradients
+    return {k: v[...] for k, v in nnx.state(g).items()}
+
+  if base == "linen_jit":
+    linen = flax_moe.LinenMoE(config=config, mesh=mesh, workspace=workspace)
+    variables = linen.init(jax.random.key(0), jax.device_put(jnp.zeros((num_tokens, args.hidden), jnp.bfloat16),
+                                                             x_sharding))
+    params = {k: v.value for k, v in variables["params"].items()}
+    jf = jax.jit(linen.apply)
+    jfb = jax.jit(jax.value_and_grad(lambda v, x, ct: loss(linen.apply(v, x), ct), argnums=(0, 1)))
+    p = (variables,)
+    grads = lambda g: {k: v.value for k, v in g["params"].items()}
+  else:
+    layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace=workspace)
+    params = layer.params()
+    step = lambda layer, x, ct: nnx.value_and_grad(lambda layer, x: loss(layer(x), ct), argnums=(0, 1))(layer, x)
+    grads = nnx_grads
+    if base == "nnx_call":  # compiled alone for its statistics: the program layer(x) runs
+      jf, jfb, p = jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=ws)), None, (params,)
+    elif base == "nnx_jit":
+      jf, jfb, p = nnx.jit(lambda layer, x: layer(x)), nnx.jit(step), (layer,)
+    elif base == "nnx_jit_tree":
+      jf, jfb, p = nnx.jit(lambda layer, x: layer(x), graph=False), nnx.jit(step, graph=False), (layer,)
+    else:
+      apply, state = flax_moe.jit_apply(layer)
+      jf = apply
+      jfb = jax.jit(jax.value_and_grad(lambda s, x, ct: loss(apply(s, x), ct), argnums=(0, 1)))
+      p = (state,)
+
+  def inputs(i):
+    k = jax.random.fold_in(jax.random.key(1), i)
+    x = jax.device_put(jax.random.normal(k, (num_tokens, args.hidden), jnp.bfloat16), x_sharding)
+    ct = jax.device_put(jax.random.normal(jax.random.fold_in(k, 1), (num_tokens, args.hidden), jnp.float32),
+                        x_sharding)
+    return x, ct
+
+  fwd = (lambda x, ct: layer(x)) if base == "nnx_call" else (lambda x, ct: jf(*p, x))
+  fwd_bwd = None if jfb is None else (lambda x, ct: jfb(*p, x, ct))
+
+  def accuracy(x, ct):
+    """calc_diff against the float32 oracle, as `_accuracy`'s, of what the layer computes on its parameters."""
+    oracle_fwd, oracle_grad = _oracle_loss(config)
+    out = {"output": calc_diff(fwd(x, ct)[0], oracle_fwd(params, x)[0])}
+    if fwd_bwd is not None:
+      (_, (d_p, d_x)), (o_p, o_x) = fwd_bwd(x, ct), oracle_grad(params, x, ct)
+      out.update({f"grad_{k}": calc_diff(v, o_p[k]) for k, v in grads(d_p).items()})
+      out["grad_x"] = calc_diff(d_x, o_x)
+    return {k: float(f"{v:.3g}") for k, v in out.items()}
+
+  return fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Measurements
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,6 +405,10 @@ def run(args) -> list[dict]:
           fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _einsum_fns(args, mesh, tokens)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = (jfb, (*p, *inputs(0)))
+        elif variant in FLAX_VARIANTS:
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _flax_fns(variant, args, mesh, tokens)
+          jit_fwd = (jf, (*p, inputs(0)[0]))
+          jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         else:
           fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _layer_fns(variant, args, mesh, tokens)
           jit_fwd = (jf, (*p, inputs(0)[0]))

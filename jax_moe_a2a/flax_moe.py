@@ -22,13 +22,27 @@ sized for training (`moe.make_workspace(..., training=True)`), when the call is 
 calls; `close_workspaces` frees them (also done at interpreter exit), and functions jitted before make new ones
 when called again. Traced under the abstract mesh of ``jax.set_mesh`` (inside `jax.jit`), the layer makes its
 workspace on the devices of that mesh (`moe.mesh_with_devices`).
+
+Calling the NNX layer in a loop. ``layer(x)`` outside any jit is as fast as the function: `moe.moe_apply` is jitted
+inside, and only its checks run in Python. A plain ``nnx.jit`` (Flax's graph mode with graph updates) returns the
+new value of every Variable of its Module arguments, so its program writes a fresh copy of every parameter on every
+call (bf16 experts, 32 per device at DeepSeek-V3's shape: 2.8 GB per device per call), and Python splits and merges
+the graph around it. The calls that skip both:
+
+- ``jax.jit`` over the layer's state: ``apply, state = jit_apply(layer)``, then ``y, aux = apply(state, x)``
+  (the same bits as ``layer(x)``; differentiable in ``state``);
+- Flax's tree mode, ``nnx.jit(f, graph=False)``, which returns only the Variables ``f`` changes.
+
+``nnx.jit(f, graph_updates=False)`` or donating the layer (``donate_argnums``) avoids the copies but not the
+Python work.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import math
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +120,18 @@ def _layer_workspace(op: str, workspace: WorkspaceArg, config: moe.MoEConfig, me
   return _workspaces[key]
 
 
+def _apply(op: str, workspace: WorkspaceArg, config: moe.MoEConfig, mesh: moe.AnyMesh, params: dict[str, jax.Array],
+           x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  return moe.moe_apply(params, x, config, mesh, workspace=_layer_workspace(op, workspace, config, mesh, x))
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_apply(config: moe.MoEConfig, mesh: Mesh, workspace: WorkspaceArg):
+  """`_apply` jitted, for an NNX layer called outside jit: `moe.moe_apply`'s checks and the workspace lookup then
+  run when it is traced, not on every call."""
+  return jax.jit(functools.partial(_apply, "MoE", workspace, config, mesh))
+
+
 class FP8Weight(nnx.Variable):
   """An FP8 E4M3 expert weight or its FP32 128x128 block scales (not trained)."""
 
@@ -167,8 +193,35 @@ class MoE(nnx.Module):
       y: x's shape and dtype; aux: ``{"load_balance_loss": [] float32, "expert_load": [num_experts] int32}``.
     """
     mesh = moe.resolve_mesh("MoE", self.mesh)
-    return moe.moe_apply(self.params(), x, self.config, mesh,
-                         workspace=_layer_workspace("MoE", self.workspace, self.config, mesh, x))
+    params = self.params()
+    if not any(isinstance(v, jax.core.Tracer) for v in (x, *params.values())):
+      return _eager_apply(self.config, mesh, self.workspace)(params, x)
+    return _apply("MoE", self.workspace, self.config, mesh, params, x)
+
+
+def jit_apply(layer: MoE) -> tuple[Callable[[nnx.State, jax.Array], tuple[jax.Array, dict[str, jax.Array]]],
+                                    nnx.State]:
+  """The NNX layer as a jitted pure function of its state, for calling it in a loop (module docstring).
+
+  ``apply, state = jit_apply(layer)``; then ``apply(state, x)`` returns ``layer(x)``'s ``(y, aux)``, bit for bit,
+  at the cost of one `jax.jit` call: the layer's structure is split off once here, and ``apply`` rebuilds the layer
+  from ``state`` only while it is traced. ``state`` is a snapshot (``nnx.state(layer)``): take it again after the
+  layer's parameters change (``nnx.update``, an optimizer step). ``apply`` may be differentiated in ``state``
+  (``jax.grad``) and called inside other jitted functions.
+
+  Raises:
+    TypeError: layer is not a `MoE`.
+  """
+  if not isinstance(layer, MoE):
+    raise TypeError(f"jit_apply: layer must be a flax_moe.MoE, got {type(layer).__name__}")
+  graphdef, state = nnx.split(layer)
+
+  # The graphdef is closed over, not a static argument: hashing it on every call would cost more than the call.
+  @jax.jit
+  def apply(state: nnx.State, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return nnx.merge(graphdef, state)(x)
+
+  return apply, state
 
 
 class LinenMoE(nn.Module):

@@ -1,7 +1,13 @@
 """Tests of the Flax layers (jax_moe_a2a.flax_moe): each equals `moe.moe_apply` on its own parameters, carries
 its parameters' shardings, and passes gradients to them."""
 
+import contextlib
 import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +21,7 @@ from conftest import devices
 from jax_moe_a2a import _ffi, flax_moe, moe
 
 HIDDEN = 256
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
 def _setup(fp8_weights=False):
@@ -214,3 +221,139 @@ def test_layers_take_the_mesh_set_with_jax_set_mesh():
     flax_moe.MoE(config=config, rngs=nnx.Rngs(params=0))
   with pytest.raises(ValueError, match=r"LinenMoE: mesh must be given, or set with jax.set_mesh"):
     flax_moe.LinenMoE(config=config).init(jax.random.key(0), x)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Calling the layers fast (flax_moe's module docstring): the same bits as moe_apply, no retrace per call, and no
+# parameter copied out of the program.
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _has_tree_mode() -> bool:
+  return "graph" in inspect.signature(nnx.jit).parameters
+
+
+def _nnx_calls(layer):
+  """The ways the NNX layer is called, each a function of x returning (y, aux)."""
+  apply, state = flax_moe.jit_apply(layer)
+  plain = nnx.jit(lambda layer, x: layer(x))
+  calls = {"eager": layer, "nnx.jit": lambda x: plain(layer, x), "jit_apply": lambda x: apply(state, x)}
+  if _has_tree_mode():
+    tree = nnx.jit(lambda layer, x: layer(x), graph=False)
+    calls["nnx.jit tree"] = lambda x: tree(layer, x)
+  return calls
+
+
+def test_every_way_of_calling_the_layers_gives_moe_apply_bits():
+  config, mesh, x = _setup()
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  want_y, want_aux = jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh))(layer.params(), x)
+  linen = flax_moe.LinenMoE(config=config, mesh=mesh)
+  variables = linen.init(jax.random.key(0), x)
+  linen_y, linen_aux = jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh))(nn.unbox(variables)["params"], x)
+  got = {name: (call(x), (want_y, want_aux)) for name, call in _nnx_calls(layer).items()}
+  got["linen"] = (jax.jit(linen.apply)(variables, x), (linen_y, linen_aux))
+  assert len(got) >= 4
+  for name, ((y, aux), (y_ref, aux_ref)) in got.items():
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref), err_msg=name)
+    for k in aux_ref:
+      np.testing.assert_array_equal(np.asarray(aux[k]), np.asarray(aux_ref[k]), err_msg=f"{name} {k}")
+
+
+def test_jit_apply_is_differentiable_in_the_state_with_moe_apply_gradients():
+  config, mesh, x = _setup()
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  apply, state = flax_moe.jit_apply(layer)
+  grads = jax.jit(jax.grad(lambda s, x: _loss(apply(s, x)[0])))(state, x)
+  ref = jax.jit(jax.grad(lambda p, x: _loss(moe.moe_apply(p, x, config, mesh)[0])))(layer.params(), x)
+  for name in layer.param_names:
+    np.testing.assert_array_equal(np.asarray(grads[name][...]), np.asarray(ref[name]), err_msg=name)
+
+
+def test_jit_apply_rejects_what_is_not_an_nnx_layer():
+  config, mesh, _ = _setup()
+  with pytest.raises(TypeError, match="jit_apply: layer must be a flax_moe.MoE, got LinenMoE"):
+    flax_moe.jit_apply(flax_moe.LinenMoE(config=config, mesh=mesh))
+
+
+@contextlib.contextmanager
+def _traces_and_compiles():
+  """Counts JAX's traces to a jaxpr and backend compiles while the block runs."""
+  counts = {"trace": 0, "compile": 0}
+  events = {"/jax/core/compile/jaxpr_trace_duration": "trace", "/jax/core/compile/backend_compile_duration": "compile"}
+
+  def listener(event, duration, **kwargs):
+    if event in events:
+      counts[events[event]] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_calls_after_the_first_neither_trace_nor_compile():
+  """Each way of calling the layers traces and compiles on its first call only: nothing the layer keeps (config,
+  mesh, workspace, the jitted eager path) changes or is rebuilt from call to call."""
+  config, mesh, x = _setup()
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  calls = _nnx_calls(layer)
+  linen = flax_moe.LinenMoE(config=config, mesh=mesh)
+  variables = linen.init(jax.random.key(0), x)
+  linen_apply = jax.jit(linen.apply)
+  calls["linen"] = lambda x: linen_apply(variables, x)
+  xs = [x * (i + 1) for i in range(3)]
+  jax.clear_caches()  # so that each path's first call traces here, also where an earlier test ran it
+  for name, call in calls.items():
+    with _traces_and_compiles() as first:
+      jax.block_until_ready(call(xs[0]))
+    assert first["trace"] >= 1, name  # the counter sees this path's first trace
+    with _traces_and_compiles() as later:
+      for xi in xs:
+        jax.block_until_ready(call(xi))
+    assert later == {"trace": 0, "compile": 0}, name
+
+
+def _output_bytes(jitted, *args) -> int:
+  return jitted.lower(*args).compile().memory_analysis().output_size_in_bytes
+
+
+def test_fast_calls_return_no_parameter_and_plain_nnx_jit_returns_them_all():
+  """The cause of plain nnx.jit's cost, and its absence from the fast calls: their programs return what moe_apply's
+  returns, nnx.jit's in graph mode with graph updates also a copy of every parameter."""
+  config, mesh, x = _setup()
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  params = layer.params()
+  want = _output_bytes(jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh)), params, x)
+  param_bytes = sum(v.addressable_shards[0].data.nbytes for v in params.values())  # per device, as the program's
+  apply, state = flax_moe.jit_apply(layer)
+  assert _output_bytes(apply, state, x) == want
+  if _has_tree_mode():
+    assert _output_bytes(nnx.jit(lambda layer, x: layer(x), graph=False), layer, x) == want
+    graph_mode = nnx.jit(lambda layer, x: layer(x), graph=True, graph_updates=True)
+  else:
+    graph_mode = nnx.jit(lambda layer, x: layer(x))
+  assert _output_bytes(graph_mode, layer, x) >= want + param_bytes  # (and 8 bytes per output for the tuple)
+
+
+def test_bench_layer_runs_every_flax_variant(tmp_path):
+  sys.path.insert(0, BENCH)
+  try:
+    bench_layer = importlib.import_module("bench_layer")
+  finally:
+    sys.path.remove(BENCH)
+  variants = ["nnx_call", "nnx_jit", "nnx_jit_apply", "linen_jit"] + (["nnx_jit_tree"] if _has_tree_mode() else [])
+  variants += ["nnx_jit_apply_ws"] if _ffi.available() else []
+  assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
+                           "2", "--runs", "2", "--input-sets", "2", "--chain", "2", "--variants", *variants, "--check",
+                           "--out", str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rows = json.loads(path.read_text())["rows"]
+  want = {(v, m) for v in variants for m in ("fwd", "fwd_bwd")} - {("nnx_call", "fwd_bwd")}  # forward only
+  assert {(r["variant"], r["mode"]) for r in rows} == want
+  for r in rows:
+    assert r["ms"] > 0 and r["sync_ms"] > 0, r
+    grads = {"grad_router", "grad_w_gate_up", "grad_w_down", "grad_x"} if r["variant"] != "nnx_call" else set()
+    assert set(r["accuracy"]) == {"output"} | grads, r
+    assert all(v < 1e-4 for v in r["accuracy"].values()), r  # bf16 experts: the bf16 variant's tolerance
