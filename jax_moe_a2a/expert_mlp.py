@@ -413,17 +413,23 @@ def _swiglu_quantize_rows(h, impl):
 
 
 def _fp8_operands(st: Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  """FP8 activations (quantized here when float) and weights (quantized here when float)."""
+  """FP8 activations and weights (each quantized here when float), and, for the FP8 backward of float weights,
+  the weights' transposed codes and scales (the data gradients' operands) from the same quantizer call, else None."""
   if st.x_dtype is not None:
     x, x_sf = quantize_rows(x, st.impl)
-  if st.w_dtype is not None:
+  w_t = None
+  if st.w_dtype is not None and st.backward == "bf16":
     w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up, impl=st.impl)
     w_down, w_down_sf = quant.quantize_fp8_weight(w_down, impl=st.impl)
-  return x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf
+  elif st.w_dtype is not None:
+    w_gate_up, w_gate_up_sf, gu_t, gu_sf_t = quant.quantize_fp8_weight_with_transpose(w_gate_up, impl=st.impl)
+    w_down, w_down_sf, dn_t, dn_sf_t = quant.quantize_fp8_weight_with_transpose(w_down, impl=st.impl)
+    w_t = (gu_t, gu_sf_t, dn_t, dn_sf_t)
+  return (x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf), w_t
 
 
 def mlp_fp8_forward(st: Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  a, a_sf, gu, gu_sf, dn, dn_sf = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+  (a, a_sf, gu, gu_sf, dn, dn_sf), w_t = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
   ffn = dn.shape[-1]
   h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
   h = checkpoint_name(h, "expert_gate_up")
@@ -431,7 +437,7 @@ def mlp_fp8_forward(st: Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up
   q, q_sf = _swiglu_quantize_rows(h, st.impl)
   y = grouped_gemm.grouped_gemm_fp8(q, q_sf, dn, dn_sf, group_sizes, impl=st.impl)
   return y, (a, a_sf, _kept_gate_up(st, h), group_sizes,
-             _weights_for_backward(st, w_gate_up, w_down, (gu, gu_sf, dn, dn_sf)))
+             _weights_for_backward(st, w_gate_up, w_down, (gu, gu_sf, dn, dn_sf), w_t))
 
 
 def _kept_gate_up(st: Fp8MlpStatic, h: jax.Array):
@@ -453,13 +459,25 @@ def gate_up_rows(kept) -> jax.Array:
                                         dtype=jnp.bfloat16).reshape(q.shape)
 
 
-def _weights_for_backward(st: Fp8MlpStatic, w_gate_up, w_down, fp8):
-  """What the backward reads of the weights: (float weights or None, the forward's FP8 weights or None).
+def _weights_for_backward(st: Fp8MlpStatic, w_gate_up, w_down, fp8, fp8_t):
+  """What the backward reads of the weights: (float weights or None, FP8 weights or None).
 
-  Float weights are read as they are (their gradient's dtype, and the bf16 backward's operands); FP8 ones are the
-  bf16 backward's operands dequantized and the FP8 backward's operands transposed."""
+  Float weights are read as they are (their gradient's dtype, and the bf16 backward's operands). FP8 weights: for
+  the bf16 backward, FP8 parameters (dequantized there); for the FP8 backward, the float weights' transposed codes
+  `fp8_t` (written by the forward's quantizer), or FP8 parameters as they are (transposed there, so that no
+  transposed copy lives from the forward to the backward)."""
   float_w = (w_gate_up, w_down) if st.w_dtype is not None else None
-  return float_w, (fp8 if st.w_dtype is None or st.backward != "bf16" else None)
+  if st.w_dtype is None:
+    return float_w, fp8
+  return float_w, (None if st.backward == "bf16" else fp8_t)
+
+
+def transposed_fp8_weights(st: Fp8MlpStatic, w_bwd):
+  """The FP8 backward's weight operands (w_gate_up_t [G, H, 2F], its scales, w_down_t [G, F, H], its scales)."""
+  if st.w_dtype is not None:
+    return w_bwd[1]
+  gu, gu_sf, dn, dn_sf = w_bwd[1]
+  return (*_transposed(gu, gu_sf), *_transposed(dn, dn_sf))
 
 
 def bf16_weights(w_bwd):
@@ -486,19 +504,19 @@ def wgrad_fp8(impl, dy, x, group_sizes, out_dtype, x_sf=None):
                                              impl=impl)
 
 
-def data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8, weight=None):
+def data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8_t, weight=None):
   """The FP8 backward's data gradients: g = ct @ w_down and dx = dh @ w_gate_up on the FP8 grouped GEMM.
 
-  ct arrives quantized 1x128 (codes and scales); dh is quantized 1x128 here. `weight` (per row, float32 [..., 1])
+  fp8_t: `transposed_fp8_weights`. ct arrives quantized 1x128 (codes and scales); dh is quantized 1x128 here. `weight` (per row, float32 [..., 1])
   scales d_act before the SwiGLU backward (the expert pass's routing weight). Returns (g, dh, dx), all bfloat16."""
-  gu, gu_sf, dn, dn_sf = fp8
-  g = grouped_gemm.grouped_gemm_fp8(ct_q, ct_sf, *_transposed(dn, dn_sf), group_sizes, impl=impl)
+  gu_t, gu_sf_t, dn_t, dn_sf_t = fp8_t
+  g = grouped_gemm.grouped_gemm_fp8(ct_q, ct_sf, dn_t, dn_sf_t, group_sizes, impl=impl)
   d_act = g.astype(jnp.float32) if weight is None else weight * g.astype(jnp.float32)
   # dh rounded to bfloat16 before the 1x128 quantization (8 significant bits before 4: no further error) halves
   # what the quantizer reads, and is the weight gradient's operand as it is.
   dh = swiglu_backward(h, d_act).astype(jnp.bfloat16)
   dh_q, dh_sf = quantize_rows(dh, impl)
-  dx = grouped_gemm.grouped_gemm_fp8(dh_q, dh_sf, *_transposed(gu, gu_sf), group_sizes, impl=impl)
+  dx = grouped_gemm.grouped_gemm_fp8(dh_q, dh_sf, gu_t, gu_sf_t, group_sizes, impl=impl)
   return g, dh, dx
 
 
@@ -530,7 +548,7 @@ def _mlp_fp8_bwd(st: Fp8MlpStatic, res, ct):
     dx, dw_gu, dw_dn = _mlp_backward_bf16(st.impl, ct, x, h, group_sizes, w_gate_up, w_down, wgrad_dtype)
   else:
     ct_q, ct_sf = quantize_rows(ct, st.impl)
-    _, dh, dx = data_gradients_fp8(st.impl, ct_q, ct_sf, h, group_sizes, w_bwd[1])
+    _, dh, dx = data_gradients_fp8(st.impl, ct_q, ct_sf, h, group_sizes, transposed_fp8_weights(st, w_bwd))
     dw_gu = dw_dn = None
     if wgrad_dtype is not None and masked:
       _, vjp = jax.vjp(lambda wg, wd: _masked_mlp_reference(x, group_sizes, wg, wd), w_gate_up, w_down)

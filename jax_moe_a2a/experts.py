@@ -104,7 +104,9 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
   with jax.named_scope("experts"):
     act = expert_mlp.swiglu(h)
     if fp8_backward:
-      g, dh, dx_sorted = expert_mlp.data_gradients_fp8(mlp_impl, ct_q, ct_sf, h, gs, w_bwd[1], weight=w_sorted)
+      g, dh, dx_sorted = expert_mlp.data_gradients_fp8(mlp_impl, ct_q, ct_sf, h, gs,
+                                                       expert_mlp.transposed_fp8_weights(st.fp8, w_bwd),
+                                                       weight=w_sorted)
     else:
       w_gate_up, w_down = expert_mlp.bf16_weights(w_bwd)
       g = grouped_gemm.grouped_gemm_bf16(ct_sorted, w_down, gs, b_layout="kn", impl=mlp_impl)  # ct @ w_down
