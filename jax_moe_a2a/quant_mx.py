@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe_a2a import _ffi, layout
-from jax_moe_a2a.quant import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_NAN_BITS, E8M0_NAN_BITS, FP8_AMAX_FLOOR,
-                               MX_BLOCK, NVFP4_BLOCK, _check_2d, _check_dtype, _check_float_input,
+from jax_moe_a2a.quant import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_NAN_BITS, E8M0_NAN_BITS, F32_NAN_BITS,
+                               FP8_AMAX_FLOOR, MX_BLOCK, NVFP4_BLOCK, _check_2d, _check_dtype, _check_float_input,
                                _check_global_scale, _check_global_scale_value, _check_out_dtype, _e4m3_limit,
                                _pow2, _pow2_scale_exponent, _true_div, _where_bits)
 
@@ -118,6 +118,12 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None,
   return quantize_mxfp8_reference(x, mx_alignment=mx_alignment)
 
 
+def _canonical_nan(g: jax.Array) -> jax.Array:
+  """A NaN product becomes the float32 quiet NaN 0x7FC00000 before the cast: which operand's NaN a product
+  returns depends on the backend and on how the compiler orders the operands, so it is fixed here."""
+  return _where_bits(jnp.isnan(g), F32_NAN_BITS, g)
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp8_reference(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX twin of `dequantize_mxfp8` (no argument checks; the scale count carries the alignment)."""
@@ -125,7 +131,7 @@ def dequantize_mxfp8_reference(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = 
   cols = x_sf.shape[1]
   g = jnp.pad(x_q.astype(jnp.float32), ((0, 0), (0, cols * MX_BLOCK - k))).reshape(m, cols, MX_BLOCK)
   g = g * x_sf.astype(jnp.float32)[..., None]
-  return g.reshape(m, cols * MX_BLOCK)[:, :k].astype(dtype)
+  return _canonical_nan(g.reshape(m, cols * MX_BLOCK)[:, :k]).astype(dtype)
 
 
 def _ffi_dequantize(target: str, shape: tuple[int, int], dtype: Any, *args: jax.Array) -> jax.Array:
@@ -148,7 +154,7 @@ def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[
     impl: "ffi" (the custom call jax_moe_a2a_dequantize_mxfp8), "reference" or "auto"; both give the same bits.
 
   Returns:
-    `[M, K] dtype`; NaN blocks come back as NaN.
+    `[M, K] dtype`; NaN blocks come back as NaN (`_canonical_nan`).
   """
   # Type and shape checks
   op = "dequantize_mxfp8"
@@ -312,7 +318,7 @@ def dequantize_nvfp4_reference(x_q: jax.Array, x_sf: jax.Array, global_scale: ja
   m, half_k = x_q.shape
   code = jnp.stack([x_q & 0xF, x_q >> 4], axis=-1).reshape(m, 2 * half_k // NVFP4_BLOCK, NVFP4_BLOCK)
   g = (_e2m1_decode(code) * x_sf.astype(jnp.float32)[..., None]) * jnp.asarray(global_scale, jnp.float32)
-  return g.reshape(m, 2 * half_k).astype(dtype)
+  return _canonical_nan(g.reshape(m, 2 * half_k)).astype(dtype)
 
 
 def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
@@ -327,7 +333,7 @@ def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *
     impl: "ffi" (the custom call jax_moe_a2a_dequantize_nvfp4), "reference" or "auto"; both give the same bits.
 
   Returns:
-    `[M, K] dtype`; NaN blocks come back as NaN.
+    `[M, K] dtype`; NaN blocks come back as NaN (`_canonical_nan`).
   """
   # Type and shape checks
   op = "dequantize_nvfp4"

@@ -7,8 +7,7 @@
 //
 // NOTES: the CPU handlers reproduce the twins as XLA runs them on CPUs, which treats float32 subnormals as zero,
 // both where they are read (inputs, the E8M0 scale 2^-127, a subnormal global scale) and where an operation
-// produces one; a NaN operand of a product is returned quieted (the first one when both are). The CUDA kernels keep
-// subnormals, as XLA does on GPUs.
+// produces one. The CUDA kernels keep subnormals, as XLA does on GPUs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -190,12 +189,10 @@ inline float Flush(float f) {
 
 inline bool IsNaN(float f) { return (Bits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
 
-// a * b with x86's NaN rule (the first NaN operand, quieted) and the product flushed.
-inline float Mul(float a, float b) {
-  if (IsNaN(a)) return FromBits(Bits(a) | 0x00400000u);
-  if (IsNaN(b)) return FromBits(Bits(b) | 0x00400000u);
-  return Flush(a * b);
-}
+inline float Mul(float a, float b) { return Flush(a * b); }
+
+// A dequantized NaN is the float32 quiet NaN, whatever the operands' NaNs (quant_mx._canonical_nan).
+inline float CanonicalNaN(float f) { return IsNaN(f) ? FromBits(kF32QuietNaN) : f; }
 
 inline float Div(float a, float b) { return Flush(a / b); }
 
@@ -290,7 +287,7 @@ ffi::Error DequantizeMxfp8CpuImpl(ffi::AnyBuffer x_q, ffi::AnyBuffer x_sf, ffi::
   for (int64_t row = 0; row < s.m; ++row) {
     for (int64_t col = 0; col < s.k; ++col) {
       const float scale = Flush(FromBits(E8m0ToFloatBits(sf[row * s.cols + col / kMxBlock])));
-      write(row * s.k + col, Mul(E4m3ToFloat(q[row * s.k + col]), scale));
+      write(row * s.k + col, CanonicalNaN(Mul(E4m3ToFloat(q[row * s.k + col]), scale)));
     }
   }
   return ffi::Error::Success();
@@ -362,7 +359,7 @@ ffi::Error DequantizeNvfp4CpuImpl(ffi::AnyBuffer x_q, ffi::AnyBuffer x_sf, ffi::
   const int64_t n = s.m * s.k;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t code = (q[i / 2] >> (4 * (i % 2))) & 0xFu;
-    write(i, Mul(Mul(E2m1Value(code), E4m3ToFloat(sf[i / kNvfp4Block])), gs));
+    write(i, CanonicalNaN(Mul(Mul(E2m1Value(code), E4m3ToFloat(sf[i / kNvfp4Block])), gs)));
   }
   return ffi::Error::Success();
 }

@@ -120,6 +120,9 @@ __device__ __forceinline__ void StoreOut(OutT* dst, const float* v) {
   }
 }
 
+// A dequantized NaN is the float32 quiet NaN before the cast (quant_mx._canonical_nan).
+__device__ __forceinline__ float CanonicalNaN(float v) { return isnan(v) ? __uint_as_float(kF32QuietNaN) : v; }
+
 template <typename OutT>
 __device__ __forceinline__ OutT FromFloat(float v) {
   if constexpr (std::is_same_v<OutT, __nv_bfloat16>) {
@@ -270,10 +273,10 @@ __global__ void __launch_bounds__(kThreads) DequantizeMxfp8Kernel(const uint8_t*
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const float2 lo = E4m3PairToFloat2(words[w] & 0xFFFFu), hi = E4m3PairToFloat2(words[w] >> 16);
-    v[4 * w] = __fmul_rn(lo.x, scale);
-    v[4 * w + 1] = __fmul_rn(lo.y, scale);
-    v[4 * w + 2] = __fmul_rn(hi.x, scale);
-    v[4 * w + 3] = __fmul_rn(hi.y, scale);
+    v[4 * w] = CanonicalNaN(__fmul_rn(lo.x, scale));
+    v[4 * w + 1] = CanonicalNaN(__fmul_rn(lo.y, scale));
+    v[4 * w + 2] = CanonicalNaN(__fmul_rn(hi.x, scale));
+    v[4 * w + 3] = CanonicalNaN(__fmul_rn(hi.y, scale));
   }
   StoreOut<OutT, 16>(out + t * 16, v);
 }
@@ -288,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) DequantizeMxfp8AnyKernel(const uint8
   if (t >= m * k) return;
   const int64_t row = t / k, col = t - row * k;
   const float scale = __uint_as_float(E8m0ToFloatBits(x_sf[row * cols + col / kMxBlock]));
-  out[t] = FromFloat<OutT>(__fmul_rn(E4m3ToFloatDevice(x_q[t]), scale));
+  out[t] = FromFloat<OutT>(CanonicalNaN(__fmul_rn(E4m3ToFloatDevice(x_q[t]), scale)));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -406,7 +409,7 @@ __global__ void __launch_bounds__(kThreads) DequantizeNvfp4Kernel(const uint8_t*
 #pragma unroll
   for (int i = 0; i < kNvfp4Block; ++i) {
     const uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 0xFu;
-    v[i] = __fmul_rn(__fmul_rn(E2m1Value(code), scale), gs);
+    v[i] = CanonicalNaN(__fmul_rn(__fmul_rn(E2m1Value(code), scale), gs));
   }
   StoreOut<OutT, kNvfp4Block>(out + t * kNvfp4Block, v);
 }
