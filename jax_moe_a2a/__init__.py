@@ -31,8 +31,8 @@ _PUBLIC = {
     "MoE": "flax_moe", "LinenMoE": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
     "load_hf_layer": "checkpoints",
     # the exchange
-    "Workspace": "workspace", "dispatch": "a2a", "combine": "a2a", "dispatch_two_level": "a2a",
-    "combine_two_level": "a2a",
+    "Workspace": "workspace", "dispatch": "a2a", "combine": "a2a", "dispatch_two_level": "two_level",
+    "combine_two_level": "two_level",
     # routing
     "RouterConfig": "routing", "route": "routing", "INVALID_EXPERT": "routing",
     # expert math

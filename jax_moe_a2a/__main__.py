@@ -116,8 +116,8 @@ _PLAN_NAMES = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "hidden":
 _DEMO_NAMES = {"num_experts": "--experts", "top_k": "--top-k", "hidden": "--hidden", "ffn": "--ffn",
                "wire_format": "--wire", "n_group": "--n-group", "topk_group": "--topk-group",
                "router_kind": "--router", "num_shared_experts": "--shared-experts", "fp8_weights": "--fp8-weights",
-               "dtype": "--dtype", "gemm_impl": "--gemm", "tp_axis": "--tp", "sequence_parallel": "--sequence-parallel",
-               "expert_backward": "--expert-backward"}
+               "dtype": "--dtype", "expert_precision": "--expert-precision", "tp_axis": "--tp",
+               "sequence_parallel": "--sequence-parallel", "expert_backward": "--expert-backward"}
 
 
 def _refused(error: ValueError, names: dict[str, str]) -> _OptionError:
@@ -168,14 +168,18 @@ def _check_demo(args: argparse.Namespace) -> None:
   if args.top_k > args.experts:
     raise _OptionError("--top-k", f"must be <= --experts ({args.experts}), got {args.top_k}")
   _check_hidden_fits(args.hidden, args.wire)
-  if args.expert_backward != "bf16" and args.gemm == "dtype":
-    raise _OptionError("--expert-backward", f"{args.expert_backward} is a backward of FP8 experts: it needs --gemm "
-                                            f"ffi or reference, got --gemm dtype")
-  if args.gemm != "dtype":
+  try:
+    precision = demo.expert_precision(args)
+  except ValueError as e:
+    raise _OptionError("--expert-precision", str(e).split(" ", 1)[1]) from None
+  if args.expert_backward != "bf16" and precision != "fp8":
+    raise _OptionError("--expert-backward", f"{args.expert_backward} is a backward of FP8 experts: it needs "
+                                            f"--expert-precision fp8, got --expert-precision {precision}")
+  if precision == "fp8":
     for option, v in (("--hidden", args.hidden), ("--ffn", args.ffn)):
       if v % quant.FP8_BLOCK:
-        raise _OptionError(option, f"must be a multiple of {quant.FP8_BLOCK} with --gemm {args.gemm} (FP8 experts), "
-                                   f"got {v}")
+        raise _OptionError(option, f"must be a multiple of {quant.FP8_BLOCK} with --expert-precision fp8 (FP8 "
+                                   f"experts), got {v}")
   if args.router == "deepseek_v3":
     if args.experts % args.n_group:
       raise _OptionError("--n-group", f"must divide --experts ({args.experts}), got {args.n_group}")
@@ -206,7 +210,7 @@ def _check_demo(args: argparse.Namespace) -> None:
   try:
     moe.MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
                   wire_format=args.wire, num_shared_experts=args.shared_experts, fp8_weights=args.fp8_weights,
-                  dtype=jnp.dtype(args.dtype), gemm_impl=None if args.gemm == "dtype" else args.gemm,
+                  dtype=jnp.dtype(args.dtype), expert_precision=precision,
                   expert_backward=args.expert_backward, **router)
   except ValueError as e:
     raise _refused(e, _DEMO_NAMES) from None

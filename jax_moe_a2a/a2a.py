@@ -1,16 +1,16 @@
-"""Expert-parallel dispatch and combine: the pure-JAX reference.
+"""Expert-parallel dispatch and combine: their contract, the pure-JAX reference exchange, and their VJPs.
 
 `dispatch` sends each token to every rank that holds at least one of its top-k experts; `combine` brings the
 expert ranks' results back and sums them per token. Both run per shard inside `jax.shard_map`, over one mesh
-axis (the expert axis) of size ``num_ranks``; ``me`` is this shard's index on it. `wire_dispatch` is the layer's
-dispatch: encode to the wire format, dispatch, decode, with a straight-through gradient. How the cotangents of a
-dispatch travel back (one-sided or the twin's exchange) is decided in one place, `_rows_back_one_sided`, for both
-VJPs. `dispatch_two_level` and `combine_two_level` run over an expert axis of nodes x GPUs: a `dispatch` between
-nodes on XLA's collectives, then one inside each node (one-sided with a workspace); combine in reverse.
+axis (the expert axis) of size ``num_ranks``; ``me`` is this shard's index on it. With a `Workspace` they run as
+the one-sided NVLink custom calls (`one_sided`), else as the reference on `jax.lax.all_to_all`. How the
+cotangents of a dispatch travel back (one-sided or the reference exchange) is decided in one place,
+`rows_back_one_sided`, for both VJPs (`dispatch`'s and the wire's). The layer's dispatch with its wire format is
+`wire.wire_dispatch`; the exchange over nodes x GPUs is `two_level`.
 
-These functions are the exact twin of the one-sided NVLink custom call: the custom call must reproduce every
-output below bit for bit. The contract (docs/DESIGN.md §3), per shard, with ``T = num_tokens`` (static), ``R =
-num_ranks``, ``L = num_local_experts = num_experts // R`` and global expert ``e`` living on rank ``e // L``:
+The reference below is exact: the custom call must reproduce every output bit for bit. The contract
+(docs/DESIGN.md §3), per shard, with ``T = num_tokens`` (static), ``R = num_ranks``,
+``L = num_local_experts = num_experts // R`` and global expert ``e`` living on rank ``e // L``:
 
 - **Validity.** ``topk_ids[t, k]`` is a valid expert iff ``0 <= topk_ids[t, k] < num_experts``; any other id
   (``INVALID_EXPERT`` = -1 in particular) means "no expert" and routes nowhere.
@@ -40,20 +40,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
+import importlib
 from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import mlir
 
-from jax_moe_a2a import _ffi, layout, quant, routing
+from jax_moe_a2a import one_sided, ordering, routing
 from jax_moe_a2a.layout import INVALID_EXPERT
-from jax_moe_a2a.ordering import after  # noqa: F401  (public here too: a2a.after)
 # Workspace: public here too (a2a.Workspace)
-from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, _describe, _row_bytes, check_one_sided_backward
+from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, check_one_sided_backward, describe_array
 
 # ----------------------------------------------------------------------------------------------------------------
 # Results and handle
@@ -139,7 +136,8 @@ def _from_bits(a: jax.Array, dtype: Any) -> jax.Array:
   return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
 
 
-def _axis_size(op: str, axis_name: Hashable) -> int:
+def bound_axis_size(op: str, axis_name: Hashable) -> int:
+  """The size of `axis_name`, which an enclosing shard_map must bind (else a ValueError naming `op`)."""
   try:
     return jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -157,7 +155,7 @@ def _exchange(a: jax.Array, axis_name: Hashable) -> jax.Array:
   return _from_bits(bits, a.dtype)
 
 
-def _route(topk_ids: jax.Array, num_experts: int, num_ranks: int) -> tuple[jax.Array, jax.Array]:
+def _number_slots(topk_ids: jax.Array, num_experts: int, num_ranks: int) -> tuple[jax.Array, jax.Array]:
   """Rank of each top-k expert and the slot of each token on each rank.
 
   Returns:
@@ -254,9 +252,9 @@ class _DispatchStatic:
 
 def _dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
   if st.workspace is not None:
-    return _ffi_dispatch_forward(st, x, x_sf, topk_ids, topk_weights)
+    return _one_sided_dispatch_forward(st, x, x_sf, topk_ids, topk_weights)
   num_ranks = st.num_ranks
-  topk_rank, send_slot = _route(topk_ids, st.num_experts, num_ranks)
+  topk_rank, send_slot = _number_slots(topk_ids, st.num_experts, num_ranks)
   on_rank = topk_rank[:, None, :] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :, None]  # [T, R, top_k]
   # [T, R, top_k]: the ids as rank r's local ids, INVALID_EXPERT where the expert lives elsewhere.
   local_ids = jax.vmap(lambda r: routing.local_expert_ids(topk_ids, r, st.num_experts, num_ranks), out_axes=1)(
@@ -282,24 +280,38 @@ def _dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights):
   return (result, handle), (send_slot, topk_rank, result.recv_counts)
 
 
+def _one_sided_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, after=None):
+  """`_dispatch_forward` on the custom call (`one_sided.dispatch_call`); it starts after `after` is computed."""
+  num_ranks = st.num_ranks
+  recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = one_sided.dispatch_call(
+      x, x_sf, topk_ids, topk_weights, axis_name=st.axis_name, num_ranks=num_ranks, num_experts=st.num_experts,
+      workspace=st.workspace, after=after)
+  valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
+  topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), INVALID_EXPERT).astype(jnp.int32)
+  result = DispatchResult(recv_x=recv_x, recv_x_sf=None if x_sf is None else recv_sf, recv_topk_ids=recv_ids,
+                          recv_topk_weights=recv_w, recv_counts=recv_counts)
+  handle = DispatchHandle(send_slot=send_slot, recv_counts=recv_counts, axis_name=st.axis_name, num_ranks=num_ranks,
+                          num_experts=st.num_experts, workspace=st.workspace, topk_ids=topk_ids)
+  return (result, handle), (send_slot, topk_rank, result.recv_counts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(st, x, x_sf, topk_ids, topk_weights):
   return _dispatch_forward(st, x, x_sf, topk_ids, topk_weights)[0]
 
 
-def _rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, num_experts, workspace, out_dtype):
+def rows_back_one_sided(ct_rows, send_slot, recv_counts, *, axis_name, workspace, out_dtype):
   """The received rows' cotangents summed back at their source tokens, one-sided: a combine over the dispatch's
   slots, summed in float32 and written in `out_dtype` (bfloat16 or float32; float32 for any other), the same sums
-  and the same rounding as the twin's exchange followed by a cast. Returns None where they take the twin's
+  and the same rounding as the reference exchange followed by a cast. Returns None where they take the reference
   exchange instead: no workspace, or rows the workspace's combine rows do not hold exactly
   (`Workspace.fits_combine_rows`). The one rule for both VJPs of a dispatch (`dispatch`'s and the wire's)."""
   if workspace is None or ct_rows is None or not workspace.fits_combine_rows(ct_rows):
     return None
   out_dtype = jnp.dtype(out_dtype) if jnp.dtype(out_dtype) in COMBINE_DTYPES else jnp.dtype(jnp.float32)
-  st = _CombineStatic(axis_name=axis_name, expert_dtype=workspace.combine_dtype,
-                      out_dtype=out_dtype, num_experts=num_experts, workspace=workspace)
   with jax.named_scope("moe_dispatch"):  # the dispatch's backward (a VJP's own ops carry no caller scope)
-    return _ffi_combine(st, ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts)
+    return one_sided.combine_call(ct_rows.astype(workspace.combine_dtype), send_slot, recv_counts,
+                                  axis_name=axis_name, out_dtype=out_dtype, workspace=workspace)
 
 
 def _dispatch_bwd(st: _DispatchStatic, res, cts):
@@ -316,14 +328,15 @@ def _dispatch_bwd(st: _DispatchStatic, res, cts):
 
   dx = None
   if jnp.issubdtype(st.x_dtype, jnp.floating):
-    dx = _rows_back_one_sided(ct_result.recv_x, send_slot, recv_counts, axis_name=ax, num_experts=st.num_experts,
-                              workspace=st.workspace, out_dtype=st.x_dtype)
+    dx = rows_back_one_sided(ct_result.recv_x, send_slot, recv_counts, axis_name=ax, workspace=st.workspace,
+                             out_dtype=st.x_dtype)
   if dx is not None:
     dx = dx.astype(st.x_dtype)
     # The exchanges below follow the one-sided call by data: XLA:CPU would otherwise run them in any order, and a
     # device inside one waiting for a peer inside the other deadlocks.
-    ct_result = ct_result._replace(recv_x_sf=None if ct_result.recv_x_sf is None else after(ct_result.recv_x_sf, dx),
-                                   recv_topk_weights=after(ct_result.recv_topk_weights, dx))
+    sf = ct_result.recv_x_sf
+    ct_result = ct_result._replace(recv_x_sf=None if sf is None else ordering.after(sf, dx),
+                                   recv_topk_weights=ordering.after(ct_result.recv_topk_weights, dx))
   else:
     dx = back_to_source(ct_result.recv_x, st.x_dtype)
   dx_sf = None if st.x_sf_dtype is None else back_to_source(ct_result.recv_x_sf, st.x_sf_dtype)
@@ -394,26 +407,26 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
       unbound axis_name.
   """
   # Type and shape checks
-  num_ranks = _axis_size("dispatch", axis_name)
+  num_ranks = bound_axis_size("dispatch", axis_name)
   if getattr(topk_ids, "ndim", None) != 2 or topk_ids.dtype != jnp.int32:
     raise ValueError(f"dispatch: topk_ids must be a 2-D int32 array [num_tokens, top_k], got "
-                     f"{_describe(topk_ids)}")
+                     f"{describe_array(topk_ids)}")
   num_tokens, top_k = topk_ids.shape
   if getattr(topk_weights, "shape", None) != (num_tokens, top_k) or topk_weights.dtype != jnp.float32:
     raise ValueError(f"dispatch: topk_weights must be a float32 array of shape {(num_tokens, top_k)} (as "
-                     f"topk_ids), got {_describe(topk_weights)}")
+                     f"topk_ids), got {describe_array(topk_weights)}")
   if getattr(x, "ndim", 0) < 1 or x.shape[0] != num_tokens:
     raise ValueError(f"dispatch: x must be an array [num_tokens={num_tokens}, ...] (num_tokens from topk_ids), "
-                     f"got {_describe(x)}")
+                     f"got {describe_array(x)}")
   if x_sf is not None and (getattr(x_sf, "ndim", 0) < 1 or x_sf.shape[0] != num_tokens):
     raise ValueError(f"dispatch: x_sf must be None or an array [num_tokens={num_tokens}, ...] (num_tokens from "
-                     f"topk_ids), got {_describe(x_sf)}")
+                     f"topk_ids), got {describe_array(x_sf)}")
   if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts <= 0 \
       or num_experts % num_ranks:
     raise ValueError(f"dispatch: num_experts must be a positive multiple of num_ranks={num_ranks} (the size of "
                      f"axis {axis_name!r}), got {num_experts!r}")
 
-  use_ffi = _resolve_a2a_impl("dispatch", impl, workspace)
+  use_ffi = one_sided.takes_one_sided("dispatch", impl, workspace)
   if use_ffi:
     workspace.check_dispatch(x, x_sf, top_k, num_ranks)
     # No tokens (on every rank alike: shapes are static): nothing to move; the twin gives the empty results and
@@ -442,7 +455,8 @@ class _CombineStatic:
 
 def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts, topk_ids):
   if st.workspace is not None:
-    out = _ffi_combine(st, expert_out, send_slot, recv_counts)
+    out = one_sided.combine_call(expert_out, send_slot, recv_counts, axis_name=st.axis_name, out_dtype=st.out_dtype,
+                                 workspace=st.workspace)
     # One element of the result: the VJP waits for it (the one-sided call as its `after` operand, the twin's exchange
     # by `after`), so it starts after this call on every device rather than as soon as its cotangent is known.
     return out, (send_slot, topk_ids, out.reshape(-1)[:1])
@@ -466,11 +480,11 @@ def _combine_bwd(st: _CombineStatic, res, ct_out):
     # row lands where the exchange below puts it, and padding rows are zero.
     dispatch_st = _DispatchStatic(axis_name=st.axis_name, num_ranks=send_slot.shape[1], num_experts=st.num_experts,
                                   x_dtype=ct.dtype, x_sf_dtype=None, workspace=ws)
-    (result, _), _ = _ffi_dispatch_forward(dispatch_st, ct, None, topk_ids, jnp.zeros_like(topk_ids, jnp.float32),
-                                           after=forward_out)
+    (result, _), _ = _one_sided_dispatch_forward(dispatch_st, ct, None, topk_ids,
+                                                 jnp.zeros_like(topk_ids, jnp.float32), after=forward_out)
     return result.recv_x, None, None, None
   if forward_out is not None:  # the forward was one-sided: the exchange follows it by data, as the call above does
-    ct = after(ct, forward_out)
+    ct = ordering.after(ct, forward_out)
   return _exchange(_scatter_to_slots(ct, send_slot, per_rank=False), st.axis_name), None, None, None
 
 
@@ -510,7 +524,7 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   # Type and shape checks
   if not isinstance(handle, DispatchHandle):
     raise ValueError(f"combine: handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
-  num_ranks = _axis_size("combine", handle.axis_name)
+  num_ranks = bound_axis_size("combine", handle.axis_name)
   if num_ranks != handle.num_ranks:
     raise ValueError(f"combine: axis {handle.axis_name!r} must have the size it had at dispatch, "
                      f"{handle.num_ranks}, got {num_ranks}")
@@ -518,7 +532,7 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   if getattr(expert_out, "ndim", None) != 3 or expert_out.shape[:2] != expected \
       or not jnp.issubdtype(expert_out.dtype, jnp.floating):
     raise ValueError(f"combine: expert_out must be a floating array [num_ranks={expected[0]}, "
-                     f"num_tokens={expected[1]}, hidden], got {_describe(expert_out)}")
+                     f"num_tokens={expected[1]}, hidden], got {describe_array(expert_out)}")
   out_dtype = expert_out.dtype if out_dtype is None else jnp.dtype(out_dtype)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise ValueError(f"combine: out_dtype must be a floating dtype, got {out_dtype}")
@@ -531,369 +545,12 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
     return _combine(st, expert_out, handle.send_slot, handle.recv_counts, handle.topk_ids)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Two levels: across nodes, then inside a node
-# ----------------------------------------------------------------------------------------------------------------
 
+# The two-level exchange lives in `two_level`; these names stay importable from here, where users found them.
+_MOVED = {"dispatch_two_level": "two_level", "combine_two_level": "two_level", "TwoLevelHandle": "two_level"}
 
-@dataclasses.dataclass(frozen=True)
-class TwoLevelHandle:
-  """The routing of one `dispatch_two_level`, consumed by `combine_two_level`; a pytree.
 
-  Attributes:
-    node: the `DispatchHandle` of the exchange between nodes (over the node axis, the twin's `all_to_all`).
-    local: the `DispatchHandle` of the dispatch inside the node (over the local axis; one-sided with a workspace).
-  """
-
-  node: DispatchHandle
-  local: DispatchHandle
-
-  @property
-  def num_tokens(self) -> int:
-    return self.node.num_tokens
-
-
-jax.tree_util.register_dataclass(TwoLevelHandle, data_fields=["node", "local"], meta_fields=[])
-
-
-def dispatch_two_level(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int,
-                       node_axis: Hashable, local_axis: Hashable, x_sf: Optional[jax.Array] = None,
-                       workspace: Optional[Workspace] = None,
-                       impl: str = "auto") -> tuple[DispatchResult, TwoLevelHandle]:
-  """`dispatch` over an expert axis of two levels: ``N`` nodes (``node_axis``) of ``G`` GPUs (``local_axis``).
-
-  Rank ``(n, g)`` (flat rank ``n * G + g``, as `dispatch` over ``(node_axis, local_axis)`` numbers them) holds
-  experts ``[(n * G + g) * L, (n * G + g + 1) * L)``, ``L = num_experts / (N * G)``; node n holds ``G * L``
-  of them. Two dispatches, each with the contract of `dispatch`:
-
-  1. **Between nodes**: `dispatch` over node_axis with ``num_experts`` (node n as the "rank" of experts
-     ``[n * G * L, (n + 1) * G * L)``), on the twin (`jax.lax.all_to_all`: NCCL on GPUs). A token crosses to
-     node n at most once, to the GPU with its own local index, with its ids as node-local ids (``id - n * G * L``,
-     `INVALID_EXPERT` for experts on other nodes) and its weights for those experts. Capacity: T per node pair.
-  2. **Inside the node**: the ``N * T`` rows received (``[N, T]`` flattened, padding rows routing nowhere) are
-     the tokens of `dispatch` over local_axis with ``G * L`` experts: one-sided with a workspace (created over
-     local_axis for ``capacity >= N * T``), else the twin. A row goes to each GPU of the node once.
-
-  Each (token, expert) assignment therefore arrives at the rank `dispatch` over the flat axis sends it to, with
-  the same row bits, local id and weight, in a different slot: received ``[s, j]`` is local source GPU s's slot
-  j of its ``N * T`` node-received rows. The node level's collectives all finish before the local call starts
-  (ordered by data, see `Workspace`).
-
-  Differentiable as `dispatch` is (the VJPs of the two levels, composed).
-
-  Args:
-    x, topk_ids, topk_weights, x_sf: as for `dispatch`, sharded over both axes on tokens.
-    num_experts: global expert count, a multiple of ``N * G``.
-    node_axis: the outer (node) mesh axis.
-    local_axis: the inner mesh axis, the GPUs of one node.
-    workspace: a `Workspace` over local_axis (one expert group per node) for the inner dispatch, or None.
-    impl: for the inner dispatch, as in `dispatch`.
-
-  Returns:
-    ``(result, handle)``: the `DispatchResult` of the inner dispatch (``[G, N * T, ...]`` per shard) and the
-    `TwoLevelHandle` that `combine_two_level` needs.
-
-  Raises:
-    ValueError: at trace time, as `dispatch`, and for num_experts not a multiple of ``N * G`` or a workspace over
-      another axis than local_axis.
-  """
-  op = "dispatch_two_level"
-  num_nodes = _axis_size(op, node_axis)
-  num_local = _axis_size(op, local_axis)
-  if node_axis == local_axis:
-    raise ValueError(f"{op}: node_axis and local_axis must be two mesh axes, got {node_axis!r} for both")
-  if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts <= 0 \
-      or num_experts % (num_nodes * num_local):
-    raise ValueError(f"{op}: num_experts must be a positive multiple of {num_nodes * num_local} (the sizes of "
-                     f"{node_axis!r} x {local_axis!r}), got {num_experts!r}")
-  if isinstance(workspace, Workspace) and workspace.expert_axis != local_axis:
-    raise ValueError(f"{op}: workspace must be created over local_axis {local_axis!r} (one expert group per node), "
-                     f"got a workspace over {workspace.expert_axis!r}")
-  node, node_handle = dispatch(x, topk_ids, topk_weights, num_experts=num_experts, axis_name=node_axis, x_sf=x_sf,
-                               impl="reference")
-  rows = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])  # [N, T, ...] -> [N * T, ...]
-  x_in = rows(node.recv_x)
-  if workspace is not None:
-    x_in = after(x_in, node)
-  local, local_handle = dispatch(x_in, rows(node.recv_topk_ids), rows(node.recv_topk_weights),
-                                 num_experts=int(num_experts) // num_nodes, axis_name=local_axis,
-                                 x_sf=rows(node.recv_x_sf), workspace=workspace, impl=impl)
-  return local, TwoLevelHandle(node=node_handle, local=local_handle)
-
-
-def combine_two_level(expert_out: jax.Array, handle: TwoLevelHandle, *, out_dtype: Any = None) -> jax.Array:
-  """`combine` of a `dispatch_two_level`: inside the node first, then across nodes.
-
-  Contract: the inner `combine` (one-sided with the handle's workspace) gives each node-received row its float32
-  partial sum ``p[n]`` over the node's GPUs in ascending order; the partials cross back between nodes (the twin,
-  float32 rows) and token t gets ``out[t] = ((-0.0 + p[n0]) + p[n1]) + ...`` over the nodes ``n0 < n1 < ...`` it
-  was sent to, in float32, cast to out_dtype. Against `combine` over the flat axis this only regroups the same
-  float32 additions by node: bit for bit the same where a token's experts of each node sit on one GPU (a single
-  node, or one GPU per node, in particular), else within float32 rounding.
-
-  Differentiable in expert_out (the VJPs of the two levels, composed).
-
-  Args:
-    expert_out: ``[G, N * T, hidden]`` floating, indexed like `dispatch_two_level`'s received rows.
-    handle: the `TwoLevelHandle` of the matching `dispatch_two_level`.
-    out_dtype: dtype of the result, floating; default expert_out's dtype.
-
-  Returns:
-    ``[T, hidden]`` out_dtype.
-  """
-  if not isinstance(handle, TwoLevelHandle):
-    raise ValueError(f"combine_two_level: handle must be the TwoLevelHandle returned by dispatch_two_level, got "
-                     f"{type(handle).__name__}")
-  out_dtype = getattr(expert_out, "dtype", None) if out_dtype is None else out_dtype
-  partial = combine(expert_out, handle.local, out_dtype=jnp.float32)  # [N * T, hidden]
-  num_nodes, num_tokens = handle.node.num_ranks, handle.node.num_tokens
-  return combine(partial.reshape((num_nodes, num_tokens) + partial.shape[1:]), handle.node, out_dtype=out_dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The wire: encode, dispatch, decode (straight-through gradient)
-# ----------------------------------------------------------------------------------------------------------------
-
-WIRE_FORMATS: tuple[str, ...] = (layout.BF16, layout.FP8_BLOCKWISE)
-
-
-@dataclasses.dataclass(frozen=True)
-class _WireStatic:
-  wire_format: str
-  axis_name: Any
-  num_experts: int
-  dtype: Any  # of the decoded rows
-  x_dtype: Any  # of the tokens, and of their gradient
-  impl: str
-  workspace: Optional[Workspace] = None
-  two_level: bool = False  # axis_name is (node axis, local axis): dispatch_two_level
-
-
-def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
-  with jax.named_scope("wire_encode"):
-    if st.wire_format == layout.FP8_BLOCKWISE:
-      x_q, x_sf = quant.quantize_fp8_blockwise(x, impl=st.impl)
-    else:
-      x_q, x_sf = x.astype(jnp.bfloat16), None
-  if st.two_level:
-    node_axis, local_axis = st.axis_name
-    res, handle = dispatch_two_level(x_q, topk_ids, topk_weights, num_experts=st.num_experts, node_axis=node_axis,
-                                     local_axis=local_axis, x_sf=x_sf, workspace=st.workspace, impl=st.impl)
-  else:
-    res, handle = dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
-                           x_sf=x_sf, workspace=st.workspace, impl=st.impl)
-  with jax.named_scope("wire_decode"):
-    num_ranks, capacity, hidden = res.recv_x.shape
-    if x_sf is not None:
-      rows = quant.dequantize_fp8_blockwise(res.recv_x.reshape(num_ranks * capacity, hidden),  # one XLA fusion
-                                            res.recv_x_sf.reshape(num_ranks * capacity, -1), dtype=st.dtype)
-      rows = rows.reshape(num_ranks, capacity, hidden)
-    else:
-      rows = res.recv_x.astype(st.dtype)
-  # The FP8 codes and scales the rows were decoded from (no gradient): FP8 experts compute from them directly.
-  codes = None if x_sf is None else (res.recv_x, res.recv_x_sf)
-  out = (rows, res.recv_topk_ids, res.recv_topk_weights, res.recv_counts, handle, codes)
-  return out, (handle, res.recv_topk_ids)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _wire(st, x, topk_ids, topk_weights):
-  return _wire_forward(st, x, topk_ids, topk_weights)[0]
-
-
-def _back_to_sources(ct_rows, ct_w, handle: DispatchHandle, rows_dtype):
-  """The received rows' and weights' float32 cotangents summed back at their source tokens over `handle`'s slots:
-  ``([T, hidden], [T, top_k])``, the rows rounded once to `rows_dtype` where the one-sided call writes it (else
-  float32: the caller casts), the weights float32."""
-  hidden = ct_rows.shape[-1]
-  reference = dataclasses.replace(handle, workspace=None)
-  rows = _rows_back_one_sided(ct_rows, handle.send_slot, handle.recv_counts, axis_name=handle.axis_name,
-                              num_experts=handle.num_experts, workspace=handle.workspace, out_dtype=rows_dtype)
-  if rows is not None:
-    # The weights' cotangents (top_k floats per row) take the reference path, after the rows by data (XLA:CPU
-    # would otherwise run the two in any order, and a device inside the all_to_all waiting for a peer inside the
-    # one-sided call deadlocks). Column for column the same float32 sums as the single payload below.
-    return rows, combine(after(ct_w, rows), reference, out_dtype=jnp.float32)
-  # One exchange for rows and weights, on the reference path.
-  back = combine(jnp.concatenate([ct_rows.astype(jnp.float32), ct_w], axis=-1), reference, out_dtype=jnp.float32)
-  return back[:, :hidden], back[:, hidden:]
-
-
-def _wire_bwd(st, res, cts):
-  handle, recv_ids = res
-  ct_rows, _, ct_w, _, _, _ = cts
-  # A weight's cotangent only counts where the weight was really delivered (valid local id): elsewhere the
-  # forward value was the constant 0.0. With that mask, summing over ranks gives each (token, k) exactly the
-  # cotangent of the one rank holding its expert, as the VJP of dispatch does.
-  ct_w = jnp.where(recv_ids >= 0, ct_w.astype(jnp.float32), 0.0)
-  if not st.two_level:
-    rows, w = _back_to_sources(ct_rows, ct_w, handle, st.x_dtype)
-    return rows.astype(st.x_dtype), None, w
-  # Two levels: back to the node-received rows inside the node, then across nodes in one float32 exchange.
-  rows, w = _back_to_sources(ct_rows, ct_w, handle.local, jnp.float32)  # partial sums stay float32
-  hidden, num_nodes, num_tokens = rows.shape[-1], handle.node.num_ranks, handle.node.num_tokens
-  both = jnp.concatenate([rows, w], axis=-1).reshape(num_nodes, num_tokens, -1)
-  back = combine(both, dataclasses.replace(handle.node, workspace=None), out_dtype=jnp.float32)
-  return back[:, :hidden].astype(st.x_dtype), None, back[:, hidden:]
-
-
-_wire.defvjp(_wire_forward, _wire_bwd)
-
-
-def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, wire_format: str,
-                  num_experts: int, axis_name: Any, dtype: Any = jnp.bfloat16, impl: str = "auto",
-                  workspace: Optional[Workspace] = None, two_level: bool = False):
-  """Encodes x in the wire format, dispatches it, and decodes the received rows (per shard, in shard_map).
-
-  The forward pass is quantize (fp8_blockwise: E4M3, FP32 scale per 1x128 group; bf16: a cast) ->
-  `a2a.dispatch` -> dequantize at the receiver. The gradient is straight-through: the float32 cotangents of the
-  received rows and weights go back by `a2a.combine` over the dispatch's slots (the rows one-sided when the
-  workspace's combine rows hold them exactly, `Workspace.fits_combine_rows`; else rows and weights in one
-  reference exchange), so no quantization error enters the gradient and no dispatch is recomputed.
-
-  Args:
-    x: [num_tokens, hidden] floating, this shard's tokens (sharded over axis_name's ranks on tokens).
-    topk_ids: [num_tokens, top_k] int32 global expert ids.
-    topk_weights: [num_tokens, top_k] float32.
-    wire_format: one of `WIRE_FORMATS`.
-    num_experts: global expert count, a multiple of the axis size.
-    axis_name: the expert mesh axis (or tuple of axes); with two_level, the pair (node axis, local axis).
-    dtype: dtype of the decoded rows.
-    impl: passed to the quantization ops and to `a2a.dispatch`.
-    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin); with two_level, one
-      over the local axis.
-    two_level: dispatch with `dispatch_two_level` (across nodes, then inside each); the gradient then comes back
-      inside the node first and crosses nodes once, in float32.
-
-  Returns:
-    rows: [num_ranks, num_tokens, hidden] dtype, the decoded `DispatchResult.recv_x` (padding rows are 0).
-    recv_topk_ids: [num_ranks, num_tokens, top_k] int32 local ids, -1 for none.
-    recv_topk_weights: [num_ranks, num_tokens, top_k] float32.
-    recv_counts: [num_ranks] int32.
-    handle: the `a2a.DispatchHandle` for `a2a.combine` (with two_level, the `TwoLevelHandle` for
-      `combine_two_level`).
-  """
-  return wire_dispatch_with_codes(x, topk_ids, topk_weights, wire_format=wire_format, num_experts=num_experts,
-                                  axis_name=axis_name, dtype=dtype, impl=impl, workspace=workspace,
-                                  two_level=two_level)[:5]
-
-
-def wire_dispatch_with_codes(x, topk_ids, topk_weights, *, wire_format, num_experts, axis_name, dtype, impl,
-                             workspace, two_level=False):
-  """`wire_dispatch`'s five results and, on an FP8 wire, the received (codes, scales) the rows were decoded from
-  (else None)."""
-  if wire_format not in WIRE_FORMATS:
-    raise ValueError(f"wire_dispatch: wire_format must be one of {', '.join(WIRE_FORMATS)}, got {wire_format!r}")
-  if two_level and not (isinstance(axis_name, tuple) and len(axis_name) == 2):
-    raise ValueError(f"wire_dispatch: with two_level, axis_name must be the pair (node axis, local axis), got "
-                     f"{axis_name!r}")
-  st = _WireStatic(wire_format=wire_format, axis_name=axis_name, num_experts=int(num_experts),
-                   dtype=jnp.dtype(dtype), impl=impl, x_dtype=jnp.dtype(x.dtype), workspace=workspace,
-                   two_level=bool(two_level))
-  with jax.named_scope("wire"):
-    return _wire(st, x, topk_ids, topk_weights)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One-sided custom calls: the FFI path (the memory they use is `workspace.Workspace`)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _resolve_a2a_impl(op: str, impl: str, workspace: Optional[Workspace]) -> bool:
-  """Whether `op` takes the one-sided custom call."""
-  if impl == "reference":
-    return False
-  if workspace is None:
-    if impl == "ffi":
-      raise ValueError(f"{op}: impl='ffi' needs a workspace (a2a.Workspace(mesh, expert_axis=..., ...)), got None")
-    _ffi.resolve_impl(op, impl)  # validates impl and the environment override
-    return False
-  if not isinstance(workspace, Workspace):
-    raise ValueError(f"{op}: workspace must be an a2a.Workspace, got {type(workspace).__name__}")
-  return _ffi.resolve_impl(op, impl) == "ffi"
-
-
-def _varying_axes(a: jax.Array) -> set:
-  """The shard_map axes `a` varies over (empty outside shard_map)."""
-  manual = getattr(jax.typeof(a), "manual_axis_type", None)
-  return set(manual.varying) if manual is not None else set()
-
-
-def _varying(outs, inputs: tuple[jax.Array, ...], axis_name: Hashable):
-  """Custom-call results inside shard_map vary over the axes their inputs vary over, and the expert axis."""
-  axes = set().union(*(_varying_axes(a) for a in inputs))
-  axes.update(axis_name if isinstance(axis_name, tuple) else (axis_name,))
-  axes = tuple(sorted(axes, key=str))
-  return jax.tree.map(lambda y: jax.lax.pcast(y, axes, to="varying") if set(axes) - _varying_axes(y) else y, outs)
-
-
-_sites = itertools.count(1)
-
-
-def _site() -> np.int64:
-  """A new call-site id (the `site` attribute): every device's program holds the same one, so the simulated CPU
-  devices meet per call, whatever order XLA:CPU runs a device's independent calls in."""
-  return np.int64(next(_sites))
-
-
-def _nothing_before() -> jax.Array:
-  """The `after` operand of a call that need not follow another one."""
-  return jnp.zeros((1,), jnp.uint8)
-
-
-# Workspace.check_mesh of a call's mesh, run when the call is lowered: inside shard_map, tracing sees the mesh's axis
-# names and sizes but not its devices; the lowering context holds the mesh itself. An identity on the call's `after`
-# operand, so it lives exactly as long as the call does.
-_mesh_check_p = jax.extend.core.Primitive("jax_moe_a2a_mesh_check")
-_mesh_check_p.def_impl(lambda after, **_: after)
-_mesh_check_p.def_abstract_eval(lambda after, **_: after)
-
-
-def _mesh_check_lowering(ctx, after, *, workspace: "Workspace", axis_name: Hashable, op: str):
-  workspace.check_mesh(op, getattr(ctx.module_context.axis_context, "mesh", None), axis_name)
-  return [after]
-
-
-mlir.register_lowering(_mesh_check_p, _mesh_check_lowering)
-
-
-def _checked_after(op: str, st: Any, after: Optional[jax.Array]) -> jax.Array:
-  """The `after` operand of a call on ``st.workspace``, with the check of the calling mesh attached."""
-  after = _nothing_before() if after is None else after
-  return _mesh_check_p.bind(after, workspace=st.workspace, axis_name=st.axis_name, op=op)
-
-
-def _ffi_dispatch_forward(st: _DispatchStatic, x, x_sf, topk_ids, topk_weights, after=None):
-  """The custom call; it starts after `after` (an array it does not read) is computed."""
-  num_ranks, num_tokens = st.num_ranks, x.shape[0]
-  top_k = topk_ids.shape[1]
-  sf = jnp.zeros((num_tokens, 0), jnp.uint8) if x_sf is None else x_sf
-  out = (jax.ShapeDtypeStruct((num_ranks,) + x.shape, x.dtype),
-         jax.ShapeDtypeStruct((num_ranks,) + sf.shape, sf.dtype),
-         jax.ShapeDtypeStruct((num_ranks, num_tokens, top_k), jnp.int32),
-         jax.ShapeDtypeStruct((num_ranks, num_tokens, top_k), jnp.float32),
-         jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
-         jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.int32))
-  # Not declared side-effecting: every rank runs the same compiled program, so dead-code elimination and CSE treat
-  # all ranks alike and their calls stay matched; an effect would also take every jitted call off JAX's C++
-  # dispatch path (measured: ~80 us of host time per call, more than the whole call takes on the GPUs).
-  outs = _ffi.ffi_call("dispatch", out, x, sf, topk_ids, topk_weights, _checked_after("dispatch", st, after),
-                       num_experts=np.int64(st.num_experts), site=_site(),
-                       **st.workspace.attrs("dispatch", x_row_bytes=_row_bytes(x), x_sf_row_bytes=_row_bytes(sf)))
-  recv_x, recv_sf, recv_ids, recv_w, recv_counts, send_slot = _varying(outs, (x, topk_ids), st.axis_name)
-  valid = (topk_ids >= 0) & (topk_ids < st.num_experts)
-  topk_rank = jnp.where(valid, topk_ids // (st.num_experts // num_ranks), INVALID_EXPERT).astype(jnp.int32)
-  result = DispatchResult(recv_x=recv_x, recv_x_sf=None if x_sf is None else recv_sf, recv_topk_ids=recv_ids,
-                          recv_topk_weights=recv_w, recv_counts=recv_counts)
-  handle = DispatchHandle(send_slot=send_slot, recv_counts=recv_counts, axis_name=st.axis_name, num_ranks=num_ranks,
-                          num_experts=st.num_experts, workspace=st.workspace, topk_ids=topk_ids)
-  return (result, handle), (send_slot, topk_rank, result.recv_counts)
-
-
-def _ffi_combine(st: _CombineStatic, expert_out, send_slot, recv_counts):
-  out = jax.ShapeDtypeStruct((send_slot.shape[0], expert_out.shape[-1]), st.out_dtype)
-  # Not side-effecting: see _ffi_dispatch_forward.
-  y = _ffi.ffi_call("combine", out, expert_out, recv_counts, send_slot, _checked_after("combine", st, None),
-                    site=_site(),
-                    **st.workspace.attrs("combine"))
-  return _varying(y, (expert_out, send_slot), st.axis_name)
+def __getattr__(name: str):
+  if name in _MOVED:
+    return getattr(importlib.import_module(f"jax_moe_a2a.{_MOVED[name]}"), name)
+  raise AttributeError(f"module 'jax_moe_a2a.a2a' has no attribute {name!r}")

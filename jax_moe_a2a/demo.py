@@ -122,11 +122,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--a2a", choices=("auto", "ffi", "reference"), default="auto",
                  help="dispatch/combine: the one-sided custom calls (ffi), the all_to_all twin (reference), or ffi "
                       "when the extension is built for this backend (auto, the default)")
+  p.add_argument("--expert-precision", choices=("dtype", "fp8"), default=None,
+                 help="routed experts: in the compute dtype (default), or in FP8 on the block-scaled grouped GEMMs")
   p.add_argument("--gemm", choices=("dtype", "ffi", "reference"), default="dtype",
-                 help="routed experts' matmuls: in the compute dtype (default), or in FP8 on the grouped GEMM custom "
-                      "call (ffi) or its pure-JAX twin (reference)")
+                 help="deprecated, use --expert-precision: ffi or reference means --expert-precision fp8")
   p.add_argument("--expert-backward", choices=("bf16", "fp8_dgrad", "fp8"), default="bf16",
-                 help="with --gemm ffi/reference: the FP8 experts' backward, straight-through on bf16 GEMMs (default), "
+                 help="with --expert-precision fp8: the FP8 experts' backward, straight-through on bf16 GEMMs "
+                      "(default), "
                       "FP8 data gradients (fp8_dgrad), or FP8 data and weight gradients (fp8)")
   p.add_argument("--steps", type=positive_int, default=5, help="timed steps after one warm-up step (default: 5)")
   p.add_argument("--seed", type=seed_int, default=0, help="PRNG seed (default: 0)")
@@ -134,6 +136,16 @@ def parser() -> argparse.ArgumentParser:
                  help="pass limit on calc_diff of the output and of every gradient (default: 4e-3 with FP8 "
                       "experts, 2e-3 with an FP8 wire or FP8 weights, 1e-4 otherwise)")
   return p
+
+
+def expert_precision(args: argparse.Namespace) -> str:
+  """The routed experts' precision the options ask for: --expert-precision, else the deprecated --gemm (ffi or
+  reference mean "fp8"), else "dtype". Raises ValueError when the two disagree."""
+  old = None if args.gemm == "dtype" else "fp8"
+  if args.expert_precision is not None and old is not None and args.expert_precision != old:
+    raise ValueError(f"--expert-precision must be fp8 with --gemm {args.gemm} (deprecated, read as "
+                     f"--expert-precision fp8), got {args.expert_precision}")
+  return args.expert_precision or old or "dtype"
 
 
 def passed(calc_diffs: Sequence[float], *, limit: float, load_equal: bool, loss_diff: float,
@@ -153,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   from jax_moe_a2a import _ffi, layout, moe  # pylint: disable=import-outside-toplevel
-  from jax_moe_a2a import workspace as workspace_lib  # pylint: disable=import-outside-toplevel
+  from jax_moe_a2a.workspace import cpu_compiles_one_sided_backward  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()
   n = len(devices)
@@ -179,11 +191,15 @@ def run(args: argparse.Namespace) -> int:
   router = dict(router_kind=args.router)
   if args.router == "deepseek_v3":
     router.update(n_group=args.n_group, topk_group=args.topk_group, routed_scaling_factor=2.5)
+  if args.gemm != "dtype":
+    print(f"demo: --gemm is deprecated: use --expert-precision fp8 (--gemm {args.gemm} is read as that)",
+          file=sys.stderr)
   try:
+    precision = expert_precision(args)
     config = moe.MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
                            wire_format=args.wire, num_shared_experts=args.shared_experts,
                            fp8_weights=args.fp8_weights, dtype=jnp.dtype(args.dtype),
-                           gemm_impl=None if args.gemm == "dtype" else args.gemm,
+                           expert_precision=precision,
                            expert_backward=args.expert_backward, **router, **kw)
     mesh = Mesh(np.asarray(devices).reshape(shape), axes)
     num_ranks = int(np.prod([dict(zip(axes, shape))[a] for a in config.expert_axes]))
@@ -198,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
   routed_per_rank = args.tokens // args.tp if args.sequence_parallel else args.tokens
   limit = args.max_calc_diff
   if limit is None:
-    limit = 4e-3 if args.gemm != "dtype" else 2e-3 if (args.wire == "fp8_blockwise" or args.fp8_weights) else 1e-4
+    limit = 4e-3 if precision == "fp8" else 2e-3 if (args.wire == "fp8_blockwise" or args.fp8_weights) else 1e-4
 
   # Inputs: bf16 activations (as after attention) sharded over the token axes, a fixed random output cotangent.
   k_params, k_x, k_ct = jax.random.split(jax.random.key(args.seed), 3)
@@ -219,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
   split = lambda p: ({k: p[k] for k in trained}, {k: v for k, v in p.items() if k not in trained})
   use_ffi = args.a2a == "ffi" or (args.a2a == "auto" and _ffi.available() and
                                   jax.default_backend() in _ffi.register())
-  if use_ffi and jax.default_backend() == "cpu" and not workspace_lib.cpu_compiles_one_sided_backward():
+  if use_ffi and jax.default_backend() == "cpu" and not cpu_compiles_one_sided_backward():
     if args.a2a == "ffi":
       print(f"demo: --a2a ffi: the one-sided calls' backward does not compile on XLA:CPU of jax {jax.__version__} "
             f"(use jax >= 0.12, or --a2a reference)", file=sys.stderr)
@@ -272,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         f"top-{args.top_k} {args.router}, hidden {args.hidden}, ffn {args.ffn}"
         + (f", {args.shared_experts} shared" if args.shared_experts else "")
         + f"; compute {config.dtype}, weights {weights}"
-        + ("" if args.gemm == "dtype" else f", experts in FP8 (grouped GEMM: {args.gemm})"))
+        + (", experts in FP8 (block-scaled grouped GEMMs)" if precision == "fp8" else ""))
   print(f"  tokens       {num_tokens} in all, {args.tokens} per token shard, {routed_per_rank} routed per rank")
   print(f"  wire         {args.wire}: {d.x_bytes_per_token} B x + {d.x_sf_bytes_per_token} B scales + "
         f"{d.topk_ids_bytes_per_token} B ids + {d.topk_weights_bytes_per_token} B weights = "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -17,10 +18,33 @@ import jax.numpy as jnp
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_moe_a2a import expert_mlp, grouped_gemm, ordering, quant, routing
-from jax_moe_a2a import rows as row_ops
-# Users build the stage's weights from here, and README shows the FP8 MLP from here.
-from jax_moe_a2a.expert_mlp import ExpertWeights, swiglu_mlp_fp8  # noqa: F401  pylint: disable=unused-import
+from jax_moe_a2a import _ffi, expert_mlp, grouped_gemm, ordering, quant, routing, rows
+from jax_moe_a2a.expert_mlp import ExpertWeights
+
+# The routed experts' precision: "dtype" computes in the layer's compute dtype (bf16 grouped GEMMs, or XLA's
+# matmuls), "fp8" on the FP8 block-scaled grouped GEMMs. Which implementation runs (custom call or reference) is
+# `impl`'s choice, for every op alike.
+PRECISIONS = ("dtype", "fp8")
+
+
+def precision_from_gemm_impl(op: str, precision: str, gemm_impl: Optional[str], name: str) -> str:
+  """The experts' precision, given the new setting `name` (= `precision`) and the deprecated `gemm_impl`.
+
+  ``gemm_impl`` chose both the FP8 experts (any value but None) and their implementation; the implementation is
+  now `impl`'s alone, so a gemm_impl means ``{name}="fp8"`` with a DeprecationWarning. Removed in the next release.
+  """
+  if precision not in PRECISIONS:
+    raise ValueError(f"{op}: {name} must be one of {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")
+  if gemm_impl is None:
+    return precision
+  if gemm_impl not in _ffi.IMPLS:
+    raise ValueError(f"{op}: gemm_impl (deprecated: use {name}='fp8') must be None or one of "
+                     f"{', '.join(_ffi.IMPLS)}, got {gemm_impl!r}")
+  warnings.warn(f"{op}: gemm_impl is deprecated: use {name}='fp8' for FP8 experts (impl chooses the custom call or "
+                f"the reference for every op, the experts' GEMMs too); gemm_impl={gemm_impl!r} is read as "
+                f"{name}='fp8'", DeprecationWarning, stacklevel=3)
+  return "fp8"
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The stage's expert pass in one VJP: expand -> grouped MLP -> weighted sum, saving neither copy of top_k rows
@@ -37,8 +61,8 @@ class _PassStatic:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _expert_pass(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  """Per row, ``sum_k topk_weights[row, k] * mlp_k(rows[row])`` over its valid assignments (float32, ascending k):
+def _expert_pass(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+  """Per row, ``sum_k topk_weights[row, k] * mlp_k(x_rows[row])`` over its valid assignments (float32, ascending k):
   the rows expanded to one per assignment (`_expand_rows`), the grouped MLP (bf16: `swiglu_mlp_bf16`; FP8: the
   rows quantized 1x128 before they are expanded, or ``codes`` used as they are), the weighted sum (`_reduce_rows`).
 
@@ -49,30 +73,30 @@ def _expert_pass(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_
   GEMMs as `expert_mlp.swiglu_mlp_bf16`'s, on the unweighted cotangent rows with the weight applied to act (for
   dw_down) and to d_act (for the rest). Gradients of the FP8 experts are those of `expert_mlp.swiglu_mlp_fp8` with
   its `backward`."""
-  return _expert_pass_fwd(st, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+  return _expert_pass_fwd(st, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
 
 
-def _expert_pass_fwd(st: _PassStatic, rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+def _expert_pass_fwd(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
   pos = perm.pos.reshape(perm.valid.shape)
   if st.fp8 is not None:
     mlp_impl = st.fp8.impl
     with jax.named_scope("permute"):
-      q, q_sf = expert_mlp.quantize_rows(rows, mlp_impl) if codes is None else codes
-      a, a_sf = row_ops.scatter_rows(q, pos, impl=mlp_impl), row_ops.scatter_rows(q_sf, pos, impl=mlp_impl)
+      q, q_sf = expert_mlp.quantize_rows(x_rows, mlp_impl) if codes is None else codes
+      a, a_sf = rows.scatter_rows(q, pos, impl=mlp_impl), rows.scatter_rows(q_sf, pos, impl=mlp_impl)
     with jax.named_scope("experts"):
       y, (_, _, h, _, w_bwd) = expert_mlp.mlp_fp8_forward(dataclasses.replace(st.fp8, x_dtype=None), a, a_sf,
                                                           perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
     saved_rows = (q, q_sf)
   else:
     with jax.named_scope("permute"):
-      xb = rows.astype(jnp.bfloat16)
-      x_sorted = row_ops.scatter_rows(xb, pos, impl=st.impl)
+      xb = x_rows.astype(jnp.bfloat16)
+      x_sorted = rows.scatter_rows(xb, pos, impl=st.impl)
     with jax.named_scope("experts"):
       mlp_st = expert_mlp.Bf16MlpStatic(impl=st.impl, dtypes=(jnp.dtype(jnp.bfloat16),) * 3)
       y, (_, h, _, gu, dn) = expert_mlp.mlp_bf16_forward(mlp_st, x_sorted, perm.group_sizes, w_gate_up, w_down)
     saved_rows, w_bwd = xb, ((gu, dn), None)
   with jax.named_scope("unpermute"):
-    out = row_ops.sum_rows(y, perm.masked_pos(), topk_weights.astype(jnp.float32), out_dtype=st.out_dtype,
+    out = rows.sum_rows(y, perm.masked_pos(), topk_weights.astype(jnp.float32), out_dtype=st.out_dtype,
                            impl=st.impl)
   return out, (saved_rows, h, topk_weights, perm, w_bwd, out.reshape(-1)[:1])
 
@@ -98,9 +122,9 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
       # Each row quantized once and its codes expanded, as the forward does with x. Assignments of no local
       # expert sort past every group, where the FP8 GEMM writes 0.
       ct_q, ct_sf = expert_mlp.quantize_rows(ordering.after(ct, scale), mlp_impl)
-      ct_q, ct_sf = row_ops.scatter_rows(ct_q, pos, impl=mlp_impl), row_ops.scatter_rows(ct_sf, pos, impl=mlp_impl)
+      ct_q, ct_sf = rows.scatter_rows(ct_q, pos, impl=mlp_impl), rows.scatter_rows(ct_sf, pos, impl=mlp_impl)
     if not fp8_backward or st.w_dtypes is not None:
-      ct_sorted = row_ops.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
+      ct_sorted = rows.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
   with jax.named_scope("experts"):
     act = expert_mlp.swiglu(h)
     if fp8_backward:
@@ -120,8 +144,8 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
       dw_dn = expert_mlp.wgrad_fp8(mlp_impl, ct_sorted, (w_sorted * act).astype(bf16), gs,
                                    wgrad_dtype).astype(st.w_dtypes[1])
       with jax.named_scope("permute"):
-        x_q = row_ops.scatter_rows(saved_rows[0], pos, impl=mlp_impl)
-        x_sf = row_ops.scatter_rows(saved_rows[1], pos, impl=mlp_impl)
+        x_q = rows.scatter_rows(saved_rows[0], pos, impl=mlp_impl)
+        x_sf = rows.scatter_rows(saved_rows[1], pos, impl=mlp_impl)
       dw_gu = expert_mlp.wgrad_fp8(mlp_impl, dh, x_q, gs, wgrad_dtype, x_sf=x_sf).astype(st.w_dtypes[0])
     elif st.w_dtypes is not None:
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
@@ -132,11 +156,11 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
           x = saved_rows
         else:
           x = quant.dequantize_fp8_blockwise(saved_rows[0], saved_rows[1], dtype=bf16)
-        x_sorted = row_ops.scatter_rows(x, pos, impl=mlp_impl)
+        x_sorted = rows.scatter_rows(x, pos, impl=mlp_impl)
       dw_gu = grouped_gemm.grouped_gemm_bf16_wgrad(dh, x_sorted, gs, out_dtype=wgrad_dtype,
                                                    impl=mlp_impl).astype(st.w_dtypes[0])
   with jax.named_scope("permute"):
-    d_rows = row_ops.sum_rows(dx_sorted, perm.masked_pos(), out_dtype=st.rows_dtype, impl=mlp_impl)
+    d_rows = rows.sum_rows(dx_sorted, perm.masked_pos(), out_dtype=st.rows_dtype, impl=mlp_impl)
   d_weights = jnp.where(perm.valid, d_w[perm.pos].reshape(perm.valid.shape), 0.0).astype(topk_weights.dtype)
   return d_rows, None, d_weights, None, dw_gu, None, dw_dn, None
 
@@ -147,8 +171,8 @@ _expert_pass.defvjp(_expert_pass_fwd, _expert_pass_bwd)
 def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights: jax.Array,
                  weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None,
                  wire_codes: Optional[tuple[jax.Array, jax.Array]] = None, out_dtype=jnp.bfloat16,
-                 compute_dtype=jnp.bfloat16, method: str = "auto",
-                 gemm_impl: Optional[str] = None, impl: str = "auto", backward: str = "bf16") -> jax.Array:
+                 compute_dtype=jnp.bfloat16, method: str = "auto", precision: str = "dtype", impl: str = "auto",
+                 backward: str = "bf16", gemm_impl: Optional[str] = None) -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
@@ -162,22 +186,24 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     weights: the local experts' `ExpertWeights`.
     recv_x_sf: for FP8 rows, their [num_ranks, capacity, hidden / 128] float32 1x128 scales.
     wire_codes: for float recv_x decoded from an fp8_blockwise wire, the (E4M3 [num_ranks, capacity, hidden],
-      float32 [num_ranks, capacity, hidden / 128]) codes and scales it was decoded from. The FP8 experts
-      (gemm_impl) then compute from these, the values that arrived, rather than from recv_x quantized again
-      (which can differ where decoding rounded); recv_x still gets the gradient (straight-through) and its values
-      are not read. Ignored without gemm_impl.
+      float32 [num_ranks, capacity, hidden / 128]) codes and scales it was decoded from. The FP8 experts then
+      compute from these, the values that arrived, rather than from recv_x quantized again (which can differ where
+      decoding rounded); recv_x still gets the gradient (straight-through) and its values are not read. Ignored
+      with precision "dtype".
     out_dtype: dtype of the returned payload.
-    compute_dtype: matmul operand dtype.
-    method: grouped matmul implementation of the `compute_dtype` path: "auto" runs bfloat16 compute on the bf16
-      grouped GEMMs (`swiglu_mlp_bf16`) and other dtypes on `swiglu_mlp_xla`; "ragged_dot" and "tiled"
-      choose `swiglu_mlp_xla`'s method.
-    gemm_impl: None for the `compute_dtype` path; "auto", "ffi" or "reference" to run the experts in FP8 with
-      `swiglu_mlp_fp8`: FP8 rows (with `recv_x_sf`) are used as they arrived, float rows are quantized 1x128
-      (lossless for rows that arrived in fp8_blockwise and were decoded exactly, so both give the same result);
-      float weights are quantized 128x128.
-    impl: "auto", "ffi" or "reference", for the bf16 grouped GEMMs.
-    backward: with gemm_impl, how the FP8 experts' data gradient is computed (`swiglu_mlp_fp8`'s `backward`:
-      "bf16" straight-through, "fp8_dgrad" FP8 data gradients, "fp8" FP8 data and weight gradients).
+    compute_dtype: matmul operand dtype of precision "dtype".
+    method: grouped matmul implementation of precision "dtype": "auto" runs bfloat16 compute on the bf16
+      grouped GEMMs (`expert_mlp.swiglu_mlp_bf16`) and other dtypes on `expert_mlp.swiglu_mlp_xla`; "ragged_dot"
+      and "tiled" choose `swiglu_mlp_xla`'s method.
+    precision: the experts' precision (`PRECISIONS`): "dtype" computes in `compute_dtype`; "fp8" runs
+      them in FP8 with `expert_mlp.swiglu_mlp_fp8`: FP8 rows (with `recv_x_sf`) are used as they arrived, float
+      rows are quantized 1x128 (lossless for rows that arrived in fp8_blockwise and were decoded exactly, so both
+      give the same result); float weights are quantized 128x128.
+    impl: "auto", "ffi" or "reference", for every op of the stage (grouped GEMMs, quantizations, row moves).
+    backward: with precision "fp8", how the FP8 experts' gradients are computed (`expert_mlp.BACKWARDS`, see
+      `swiglu_mlp_fp8`: "bf16" straight-through, "fp8_dgrad" FP8 data gradients, "fp8" FP8 data and weight
+      gradients).
+    gemm_impl: deprecated: any value but None means precision="fp8" (`impl` chooses the implementation).
 
   Rows are permuted in their own dtype (decoded to compute_dtype, or FP8 codes with their scales), the expert
   outputs stay bfloat16 until the weighted sum, and both directions are gathers (the gradients too), so no
@@ -186,8 +212,36 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   Returns:
     [num_ranks, capacity, hidden] `out_dtype`: per row, sum_k weight_k * expert_k(x).
   """
-  # Type and shape checks
   op = "expert_stage"
+  precision = precision_from_gemm_impl(op, precision, gemm_impl, "precision")
+  num_ranks, capacity, hidden = _check_stage_inputs(op, recv_x, recv_topk_ids, recv_topk_weights, weights)
+  fp8 = precision == "fp8"
+  flat = lambda v: v.reshape(num_ranks * capacity, v.shape[-1])
+  x_rows = flat(recv_x)
+  sf_rows = None if recv_x_sf is None else flat(recv_x_sf)
+  codes = _wire_code_rows(op, recv_x, recv_x_sf, wire_codes) if fp8 and wire_codes is not None else None
+  if recv_x_sf is not None and not fp8:  # FP8 rows go to the FP8 experts as they are, else they are decoded
+    x_rows = quant.dequantize_fp8_blockwise(x_rows, sf_rows, dtype=compute_dtype)
+  elif recv_x.dtype == jnp.float8_e4m3fn and recv_x_sf is None:
+    raise ValueError(f"{op}: float8_e4m3fn recv_x needs recv_x_sf (its 1x128 scales), got None")
+
+  topk_weights = jnp.asarray(recv_topk_weights).reshape(-1, recv_topk_ids.shape[-1])
+  with jax.named_scope("permute"):
+    perm = _permutation(flat(recv_topk_ids), weights.w_gate_up.shape[0])
+  out_dtype = jnp.dtype(out_dtype)
+  if fp8 and recv_x_sf is not None:
+    out = _fp8_rows_as_they_arrived(x_rows, sf_rows, topk_weights, perm, weights, out_dtype, impl, backward)
+  elif fp8:
+    out = _fp8_experts_pass(op, x_rows, codes, topk_weights, perm, weights, out_dtype, impl, backward)
+  elif _takes_bf16_gemms(x_rows, weights, compute_dtype, method):
+    out = _bf16_experts_pass(op, x_rows, topk_weights, perm, weights, out_dtype, impl)
+  else:
+    out = _xla_experts(x_rows, topk_weights, perm, weights, out_dtype, compute_dtype, method, impl)
+  return out.reshape(num_ranks, capacity, hidden)  # already out_dtype (un-permute writes it)
+
+
+def _check_stage_inputs(op: str, recv_x, recv_topk_ids, recv_topk_weights, weights: ExpertWeights):
+  """Checks the shapes and dtypes of the stage's inputs; returns (num_ranks, capacity, hidden)."""
   if recv_x.ndim != 3:
     raise ValueError(f"{op}: recv_x must be [num_ranks, capacity, hidden], got shape {recv_x.shape}")
   num_ranks, capacity, hidden = recv_x.shape
@@ -199,70 +253,75 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   if recv_topk_weights.shape != recv_topk_ids.shape:
     raise ValueError(f"{op}: recv_topk_weights must have the shape of recv_topk_ids {recv_topk_ids.shape}, "
                      f"got {recv_topk_weights.shape}")
-  num_local_experts, _ = expert_mlp.check_weights(op, weights, hidden)
-  top_k = recv_topk_ids.shape[-1]
+  expert_mlp.check_weights(op, weights, hidden)
+  return num_ranks, capacity, hidden
 
-  rows = recv_x.reshape(num_ranks * capacity, hidden)
-  codes = None
-  if wire_codes is not None and gemm_impl is not None:
-    if recv_x_sf is not None or not jnp.issubdtype(recv_x.dtype, jnp.floating) or \
-        jnp.dtype(recv_x.dtype) == jnp.dtype(jnp.float8_e4m3fn):
-      raise ValueError(f"{op}: wire_codes go with float recv_x (the decoded rows) and no recv_x_sf, got recv_x "
-                       f"{jnp.dtype(recv_x.dtype).name} and recv_x_sf {'given' if recv_x_sf is not None else 'None'}")
-    q, q_sf = wire_codes
-    want = ((num_ranks, capacity, hidden), (num_ranks, capacity, hidden // quant.FP8_BLOCK))
-    if (tuple(q.shape), tuple(q_sf.shape)) != want or jnp.dtype(q.dtype) != jnp.dtype(jnp.float8_e4m3fn) \
-        or jnp.dtype(q_sf.dtype) != jnp.dtype(jnp.float32):
-      raise ValueError(f"{op}: wire_codes must be (float8_e4m3fn {want[0]}, float32 {want[1]}), got "
-                       f"({jnp.dtype(q.dtype).name} {tuple(q.shape)}, {jnp.dtype(q_sf.dtype).name} "
-                       f"{tuple(q_sf.shape)})")
-    codes = (q.reshape(num_ranks * capacity, hidden), q_sf.reshape(num_ranks * capacity, -1))
-  # FP8 rows go to the FP8 experts as they are (codes and scales permuted together); otherwise they are decoded.
-  fp8_rows = recv_x_sf is not None and gemm_impl is not None
-  sf_rows = None if recv_x_sf is None else recv_x_sf.reshape(num_ranks * capacity, -1)
-  if recv_x_sf is not None and not fp8_rows:
-    rows = quant.dequantize_fp8_blockwise(rows, sf_rows, dtype=compute_dtype)
-  elif recv_x.dtype == jnp.float8_e4m3fn and recv_x_sf is None:
-    raise ValueError(f"{op}: float8_e4m3fn recv_x needs recv_x_sf (its 1x128 scales), got None")
 
-  topk_weights = jnp.asarray(recv_topk_weights).reshape(-1, top_k)
+def _wire_code_rows(op: str, recv_x, recv_x_sf, wire_codes) -> tuple[jax.Array, jax.Array]:
+  """The wire's FP8 codes and scales of the decoded rows recv_x, checked and flattened to one per row."""
+  num_ranks, capacity, hidden = recv_x.shape
+  if recv_x_sf is not None or not jnp.issubdtype(recv_x.dtype, jnp.floating) or \
+      jnp.dtype(recv_x.dtype) == jnp.dtype(jnp.float8_e4m3fn):
+    raise ValueError(f"{op}: wire_codes go with float recv_x (the decoded rows) and no recv_x_sf, got recv_x "
+                     f"{jnp.dtype(recv_x.dtype).name} and recv_x_sf {'given' if recv_x_sf is not None else 'None'}")
+  q, q_sf = wire_codes
+  want = ((num_ranks, capacity, hidden), (num_ranks, capacity, hidden // quant.FP8_BLOCK))
+  if (tuple(q.shape), tuple(q_sf.shape)) != want or jnp.dtype(q.dtype) != jnp.dtype(jnp.float8_e4m3fn) \
+      or jnp.dtype(q_sf.dtype) != jnp.dtype(jnp.float32):
+    raise ValueError(f"{op}: wire_codes must be (float8_e4m3fn {want[0]}, float32 {want[1]}), got "
+                     f"({jnp.dtype(q.dtype).name} {tuple(q.shape)}, {jnp.dtype(q_sf.dtype).name} "
+                     f"{tuple(q_sf.shape)})")
+  return q.reshape(num_ranks * capacity, hidden), q_sf.reshape(num_ranks * capacity, -1)
+
+
+def _weight_dtypes(w_gate_up, w_down) -> tuple[Any, Any]:
+  return jnp.dtype(w_gate_up.dtype), jnp.dtype(w_down.dtype)
+
+
+def _fp8_experts_pass(op, x_rows, codes, topk_weights, perm, weights: ExpertWeights, out_dtype, impl, backward):
+  """FP8 experts on float rows, in the fused pass: the rows (or the wire's codes) quantized, then expanded."""
+  st = expert_mlp.fp8_mlp_static(op, x_rows, None, weights, impl, backward)
+  pass_st = _PassStatic(fp8=st, impl=impl, rows_dtype=jnp.dtype(x_rows.dtype), out_dtype=out_dtype,
+                        w_dtypes=None if weights.is_fp8 else _weight_dtypes(weights.w_gate_up, weights.w_down))
+  return _expert_pass(pass_st, x_rows, codes, topk_weights, perm, weights.w_gate_up, weights.w_gate_up_sf,
+                      weights.w_down, weights.w_down_sf)
+
+
+def _bf16_experts_pass(op, x_rows, topk_weights, perm, weights: ExpertWeights, out_dtype, impl):
+  """bfloat16 experts on the bf16 grouped GEMMs, in the fused pass (FP8 weights dequantized first)."""
+  expert_mlp.check_bf16_sizes(op, x_rows.shape[-1], weights.w_down.shape[-1])
+  w_gate_up, w_down = weights.dequantized(jnp.bfloat16) if weights.is_fp8 else (weights.w_gate_up, weights.w_down)
+  pass_st = _PassStatic(fp8=None, impl=impl, rows_dtype=jnp.dtype(x_rows.dtype), out_dtype=out_dtype,
+                        w_dtypes=_weight_dtypes(w_gate_up, w_down))
+  return _expert_pass(pass_st, x_rows, None, topk_weights, perm, w_gate_up, None, w_down, None)
+
+
+def _fp8_rows_as_they_arrived(x_rows, sf_rows, topk_weights, perm, weights: ExpertWeights, out_dtype, impl,
+                              backward):
+  """FP8 experts on FP8 rows (no gradient to them): codes and scales gathered, run, summed in three steps."""
   with jax.named_scope("permute"):
-    perm = _permutation(recv_topk_ids.reshape(-1, top_k), num_local_experts)
-  out_dtype = jnp.dtype(out_dtype)
-  if gemm_impl is not None and not fp8_rows:  # FP8 experts on float rows: quantized, then expanded
-    st = expert_mlp.fp8_mlp_static(op, rows, None, weights, gemm_impl, backward)
-    pass_st = _PassStatic(fp8=st, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
-                          w_dtypes=None if weights.is_fp8 else (jnp.dtype(weights.w_gate_up.dtype),
-                                                                jnp.dtype(weights.w_down.dtype)))
-    out = _expert_pass(pass_st, rows, codes, topk_weights, perm, weights.w_gate_up, weights.w_gate_up_sf,
-                       weights.w_down, weights.w_down_sf)
-  elif gemm_impl is None and _takes_bf16_gemms(rows, weights, compute_dtype, method):
-    expert_mlp.check_bf16_sizes(op, hidden, weights.w_down.shape[-1])
-    w_gate_up, w_down = weights.dequantized(jnp.bfloat16) if weights.is_fp8 else (weights.w_gate_up, weights.w_down)
-    pass_st = _PassStatic(fp8=None, impl=impl, rows_dtype=jnp.dtype(rows.dtype), out_dtype=out_dtype,
-                          w_dtypes=(jnp.dtype(w_gate_up.dtype), jnp.dtype(w_down.dtype)))
-    out = _expert_pass(pass_st, rows, None, topk_weights, perm, w_gate_up, None, w_down, None)
-  else:  # FP8 rows as they arrived (no gradient), or the XLA MLP: expanded, run, summed in three steps
-    with jax.named_scope("permute"):
-      if fp8_rows:
-        x_sorted, sf_sorted = rows[perm.src_row], sf_rows[perm.src_row]
-      else:
-        x_sorted, sf_sorted = checkpoint_name(_expand_rows(rows, perm, impl), "expert_rows"), None
-    with jax.named_scope("experts"):
-      if fp8_rows:
-        y_sorted = expert_mlp.swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=gemm_impl,
-                                  backward=backward)
-      else:
-        y_sorted = expert_mlp.swiglu_mlp_xla(x_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
-                                             method=method)
-    with jax.named_scope("unpermute"):
-      out = _reduce_rows(y_sorted, topk_weights, perm, out_dtype, impl)
-  return out.reshape(num_ranks, capacity, hidden)  # already out_dtype (un-permute writes it)
+    x_sorted, sf_sorted = x_rows[perm.src_row], sf_rows[perm.src_row]
+  with jax.named_scope("experts"):
+    y_sorted = expert_mlp.swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=impl,
+                                         backward=backward)
+  with jax.named_scope("unpermute"):
+    return _reduce_rows(y_sorted, topk_weights, perm, out_dtype, impl)
 
 
-def _takes_bf16_gemms(rows, weights: ExpertWeights, compute_dtype, method: str) -> bool:
+def _xla_experts(x_rows, topk_weights, perm, weights: ExpertWeights, out_dtype, compute_dtype, method, impl):
+  """The XLA MLP in compute_dtype: rows expanded, run, summed in three steps."""
+  with jax.named_scope("permute"):
+    x_sorted = checkpoint_name(_expand_rows(x_rows, perm, impl), "expert_rows")
+  with jax.named_scope("experts"):
+    y_sorted = expert_mlp.swiglu_mlp_xla(x_sorted, perm.group_sizes, weights, compute_dtype=compute_dtype,
+                                         method=method)
+  with jax.named_scope("unpermute"):
+    return _reduce_rows(y_sorted, topk_weights, perm, out_dtype, impl)
+
+
+def _takes_bf16_gemms(x_rows, weights: ExpertWeights, compute_dtype, method: str) -> bool:
   """Whether the bf16 experts run on the bf16 grouped GEMMs (`swiglu_mlp_bf16`) rather than `swiglu_mlp_xla`."""
-  return (jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and method == "auto" and rows.shape[-1] % 8 == 0
+  return (jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and method == "auto" and x_rows.shape[-1] % 8 == 0
           and weights.w_down.shape[-1] % 8 == 0)
 
 
@@ -329,19 +388,19 @@ def _permutation(ids: jax.Array, num_local_experts: int) -> _Permutation:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _expand_rows(rows: jax.Array, perm: _Permutation, impl: str) -> jax.Array:
-  """``rows[perm.src_row]``: each row once per sorted assignment, [A, hidden], written as a scatter of each row to
+def _expand_rows(x_rows: jax.Array, perm: _Permutation, impl: str) -> jax.Array:
+  """``x_rows[perm.src_row]``: each row once per sorted assignment, [A, hidden], written as a scatter of each row to
   its top_k sorted positions (every row read once)."""
-  return row_ops.scatter_rows(rows, perm.pos.reshape(perm.valid.shape), impl=impl)
+  return rows.scatter_rows(x_rows, perm.pos.reshape(perm.valid.shape), impl=impl)
 
 
-def _expand_rows_fwd(rows, perm, impl):
-  return _expand_rows(rows, perm, impl), perm
+def _expand_rows_fwd(x_rows, perm, impl):
+  return _expand_rows(x_rows, perm, impl), perm
 
 
 def _expand_rows_bwd(impl, perm, ct):
   # Each row's cotangent is the sum over its valid assignments, gathered by position, in ascending k (float32).
-  return row_ops.sum_rows(ct, perm.masked_pos(), out_dtype=ct.dtype, impl=impl), None
+  return rows.sum_rows(ct, perm.masked_pos(), out_dtype=ct.dtype, impl=impl), None
 
 
 _expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
@@ -352,7 +411,7 @@ def _reduce_rows(y_sorted: jax.Array, weights: jax.Array, perm: _Permutation, ou
   """Per row, sum_k weight_k * y_sorted[pos[row, k]] in float32 (ascending k), then in out_dtype: [rows, hidden];
   assignments of no local expert add 0."""
   with jax.named_scope("unpermute"):  # the caller's scope is not on a custom_vjp's primal when not differentiated
-    return row_ops.sum_rows(y_sorted, perm.masked_pos(), weights.astype(jnp.float32), out_dtype=out_dtype,
+    return rows.sum_rows(y_sorted, perm.masked_pos(), weights.astype(jnp.float32), out_dtype=out_dtype,
                             impl=impl)
 
 
@@ -367,7 +426,7 @@ def _reduce_rows_bwd(out_dtype, impl, res, ct):
   valid_flat = perm.valid.reshape(-1)
   # d y_sorted[i] = weight * ct[row] of the assignment at sorted position i (a gather by order).
   w_sorted = jnp.where(valid_flat, weights.reshape(-1), 0.0).astype(jnp.float32)[perm.order]
-  d_y = row_ops.gather_rows(ct, perm.src_row, scale=w_sorted, out_dtype=y_sorted.dtype, impl=impl)
+  d_y = rows.gather_rows(ct, perm.src_row, scale=w_sorted, out_dtype=y_sorted.dtype, impl=impl)
   # d weight[row, k] = <y of the assignment, ct[row]>: a product and a sum over hidden (one reduction fused with
   # the gather, no float32 copy of the gathered rows as a batched dot would take).
   y_k = y_sorted[perm.pos].reshape(-1, top_k, y_sorted.shape[-1])

@@ -2,7 +2,7 @@
 
 Activations are E4M3 with one float32 scale per 1x128 group of a row (`quant.quantize_fp8_blockwise`), weights are
 E4M3 with one float32 scale per 128x128 block (`quant.quantize_fp8_weight`), in the "NT" layout of
-`experts.ExpertWeights`: ``b`` is [G, N, K] with K contiguous. The product accumulates in float32 and is rounded
+`expert_mlp.ExpertWeights`: ``b`` is [G, N, K] with K contiguous. The product accumulates in float32 and is rounded
 to bfloat16 once.
 
 Two layouts of the rows, told apart by the rank of ``a``:
@@ -22,7 +22,7 @@ K), on CPU a loop over the dequantized operands in float32; ``"reference"`` is t
 float32 matmul at HIGHEST precision); ``"auto"`` picks as `jax_moe_a2a._ffi.resolve_impl` says. The
 implementations agree to float32 rounding of the accumulation (then one bfloat16 rounding), not bit for bit.
 
-This op is not differentiable by itself (its operands are FP8 codes); `experts.swiglu_mlp_fp8` is the trainable
+This op is not differentiable by itself (its operands are FP8 codes); `expert_mlp.swiglu_mlp_fp8` is the trainable
 expert MLP built on it.
 """
 
@@ -239,7 +239,7 @@ def grouped_gemm_fp8(a: jax.Array, a_sf: jax.Array, b: jax.Array, b_sf: jax.Arra
 # ----------------------------------------------------------------------------------------------------------------
 
 # Layouts of `b` in `grouped_gemm_bf16`: "nk" is [G, N, K] (K contiguous: d = a @ b[g].T, the forward product
-# with the weights of `experts.ExpertWeights`), "kn" is [G, K, N] (N contiguous: d = a @ b[g], the data gradient
+# with the weights of `expert_mlp.ExpertWeights`), "kn" is [G, K, N] (N contiguous: d = a @ b[g], the data gradient
 # with the same weights, read without a transposed copy).
 B_LAYOUTS = ("nk", "kn")
 _MODE = {"nk": 0, "kn": 1, "wgrad": 2}  # the custom call's `mode` attribute (grouped_gemm.cc)

@@ -7,7 +7,7 @@ Per shard, in order (each stage under its own `jax.named_scope`):
    no rank routes or computes a replicated token twice (docs/DESIGN.md §1.4).
 2. ``router``: float32 logits ``x @ router`` and `routing.route` (softmax top-k or DeepSeek-V3 grouped sigmoid).
 3. ``aux``: the load-balance loss and the per-expert load, summed over every axis that holds distinct tokens.
-4. ``wire`` (`a2a.wire_dispatch`): the activations are cast to the wire format (bf16, or E4M3 with one FP32
+4. ``wire`` (`wire.wire_dispatch`): the activations are cast to the wire format (bf16, or E4M3 with one FP32
    scale per 1x128 group), dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at
    the receiver (FP8 experts on an FP8 wire compute from the received codes themselves; the decoded rows carry
    the gradient).
@@ -54,16 +54,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from jax_moe_a2a import _ffi, a2a, expert_mlp, experts, layout, quant, routing
-from jax_moe_a2a import workspace as workspace_lib
-from jax_moe_a2a.workspace import Workspace
+from jax_moe_a2a import _ffi, a2a, expert_mlp, experts, layout, ordering, quant, routing, wire
+from jax_moe_a2a.two_level import combine_two_level
+from jax_moe_a2a.workspace import Workspace, groups_span_domains
 
 # Mesh axis names of the default layout: tokens over (data, expert), experts over expert.
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
 TP_AXIS = "tp"
 
-WIRE_FORMATS = a2a.WIRE_FORMATS
+WIRE_FORMATS = wire.WIRE_FORMATS
 _COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 AxisNames = Union[str, tuple[str, ...]]
@@ -107,7 +107,7 @@ class MoEConfig:
       others. Empty: tokens replicated everywhere.
     expert_axis: mesh axis, or tuple of axes, that the experts and the dispatch are sharded over.
     two_level: with an expert_axis of two axes ``(node, local)``: True dispatches in two levels
-      (`a2a.dispatch_two_level`: across nodes on XLA's collectives, then inside each node, one-sided with a
+      (`two_level.dispatch_two_level`: across nodes on XLA's collectives, then inside each node, one-sided with a
       workspace over ``local``), False over the flat axis; None (default) picks two levels exactly when an expert
       group spans devices that cannot map each other's memory (GPUs of several hosts: `uses_two_level`).
     tp_axis: optional mesh axis along which tokens arrive replicated (tensor parallelism); not in token_axes.
@@ -122,15 +122,17 @@ class MoEConfig:
       float32; matmuls accumulate in float32; router logits are always float32).
     param_dtype: storage dtype of the non-FP8 parameters made by `init_params`.
     impl: ``"auto" | "ffi" | "reference"``, passed to every op that takes an ``impl`` argument.
-    gemm_impl: None: the routed experts compute in `dtype`; ``"auto" | "ffi" | "reference"``: they run in FP8
-      with `expert_mlp.swiglu_mlp_fp8` (the grouped GEMM custom call, or its pure-JAX twin); hidden and ffn must
-      then be multiples of 128.
-    expert_backward: how the FP8 experts (gemm_impl) are differentiated (`expert_mlp.swiglu_mlp_fp8`): ``"bf16"``
+    expert_precision: the routed experts' precision: ``"dtype"`` (default) computes them in `dtype`;
+      ``"fp8"`` runs them in FP8 with `expert_mlp.swiglu_mlp_fp8` (the FP8 block-scaled grouped GEMMs; hidden and
+      ffn must then be multiples of 128). Custom call or reference is `impl`'s choice, as for every op.
+    expert_backward: how the FP8 experts are differentiated (`expert_mlp.swiglu_mlp_fp8`): ``"bf16"``
       (default), straight-through on the bf16 grouped GEMMs; ``"fp8_dgrad"``, the data gradients on the FP8 grouped
       GEMM (the output cotangent and the SwiGLU backward's rows quantized 1x128, the forward's FP8 weights
       transposed) with the gate/up rows kept for the backward in FP8, the weight gradients on bf16 GEMMs;
       ``"fp8"``, DeepSeek-V3's recipe: the weight gradients too, on the FP8 weight-gradient GEMM (operands
       quantized along the tokens, 128x1).
+    gemm_impl: deprecated, kept for one release: any value but None is read as ``expert_precision="fp8"`` with a
+      DeprecationWarning (and the field is then None).
   """
 
   num_experts: int
@@ -155,8 +157,9 @@ class MoEConfig:
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   impl: str = "auto"
-  gemm_impl: Optional[str] = None
+  expert_precision: str = "dtype"
   expert_backward: str = "bf16"
+  gemm_impl: Optional[str] = None
 
   def __post_init__(self):
     op = "MoEConfig"
@@ -224,17 +227,18 @@ class MoEConfig:
     if self.expert_backward not in expert_mlp.BACKWARDS:
       raise ValueError(f"{op}: expert_backward must be one of {', '.join(expert_mlp.BACKWARDS)}, got "
                        f"{self.expert_backward!r}")
-    if self.expert_backward != "bf16" and self.gemm_impl is None:
+    # The deprecated spelling becomes the new one, so that both make equal (and equally hashed) configs.
+    object.__setattr__(self, "expert_precision", experts.precision_from_gemm_impl(
+        op, self.expert_precision, self.gemm_impl, "expert_precision"))
+    object.__setattr__(self, "gemm_impl", None)
+    if self.expert_backward != "bf16" and self.expert_precision != "fp8":
       raise ValueError(f"{op}: expert_backward={self.expert_backward!r} is a backward of FP8 experts, so it needs "
-                       f"gemm_impl "
-                       f"('auto', 'ffi' or 'reference'), got gemm_impl=None")
-    if self.gemm_impl is not None:
-      if self.gemm_impl not in _ffi.IMPLS:
-        raise ValueError(f"{op}: gemm_impl must be None or one of {', '.join(_ffi.IMPLS)}, got {self.gemm_impl!r}")
+                       f"expert_precision='fp8', got expert_precision={self.expert_precision!r}")
+    if self.expert_precision == "fp8":
       for name in ("hidden", "ffn"):
         if getattr(self, name) % quant.FP8_BLOCK:
-          raise ValueError(f"{op}: gemm_impl={self.gemm_impl!r} (FP8 experts) needs {name} % {quant.FP8_BLOCK} == 0, "
-                           f"got {name}={getattr(self, name)}")
+          raise ValueError(f"{op}: {name} must be a multiple of {quant.FP8_BLOCK} with expert_precision='fp8' (FP8 "
+                           f"experts), got {name}={getattr(self, name)}")
     try:
       self.router_config  # pylint: disable=pointless-statement
     except (ValueError, TypeError) as e:
@@ -334,12 +338,12 @@ def uses_two_level(config: MoEConfig, mesh: AnyMesh) -> bool:
       return False
     with_devices = mesh_with_devices(mesh)
     if with_devices is not None:
-      return workspace_lib.groups_span_domains(with_devices, config.expert_axis)
+      return groups_span_domains(with_devices, config.expert_axis)
     raise ValueError(f"uses_two_level: mesh must be a jax.sharding.Mesh to tell whether an expert group over "
                      f"{config.expert_axis!r} spans hosts ({jax.process_count()} processes), got the AbstractMesh "
                      f"{_mesh_text(mesh)}; set MoEConfig(two_level=True or False), or pass the mesh (or a "
                      f"workspace) to moe_apply")
-  return workspace_lib.groups_span_domains(mesh, config.expert_axis)
+  return groups_span_domains(mesh, config.expert_axis)
 
 
 def _workspace_axis(config: MoEConfig, two_level: bool):
@@ -525,7 +529,7 @@ def _router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
   return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
-def _route(params, x, config: MoEConfig, axis_name):
+def _run_router(params, x, config: MoEConfig, axis_name):
   with jax.named_scope("router"):
     logits = checkpoint_name(_router_logits(x, params["router"]), "router_logits")
     topk_weights, topk_ids = routing.route(logits, config.router_config, params.get("router_bias"))
@@ -567,63 +571,10 @@ def _expert_weights(params) -> expert_mlp.ExpertWeights:
 # shard_map's transpose adds for the inputs' cotangents (replicated parameters over data, x over tp).
 
 
-@jax.custom_vjp
-def _ordered(first, then):
-  """(first, then), unchanged: `then` is computed after `first`, and in the backward `first`'s cotangents after
-  `then`'s."""
-  return first, a2a.after(then, first)
-
-
-def _ordered_fwd(first, then):
-  return _ordered(first, then), None
-
-
-def _ordered_bwd(_, cts):
-  ct_first, ct_then = cts
-  return jax.tree.map(lambda c: a2a.after(c, ct_then), ct_first), ct_then
-
-
-_ordered.defvjp(_ordered_fwd, _ordered_bwd)
-
-
-@jax.custom_vjp
-def _after_in_backward(x, dep):
-  """x, unchanged; in the backward its cotangent is computed after `dep`, a (small) forward value."""
-  return x
-
-
-def _after_in_backward_fwd(x, dep):
-  return x, dep
-
-
-def _after_in_backward_bwd(dep, ct):
-  return a2a.after(ct, dep), jnp.zeros_like(dep)
-
-
-_after_in_backward.defvjp(_after_in_backward_fwd, _after_in_backward_bwd)
-
-
-@jax.custom_vjp
-def _joined(tree):
-  """tree, unchanged; in the backward each of its cotangents is computed after all of them."""
-  return tree
-
-
-def _joined_fwd(tree):
-  return tree, None
-
-
-def _joined_bwd(_, cts):
-  return (jax.tree.map(lambda c: a2a.after(c, cts), cts),)
-
-
-_joined.defvjp(_joined_fwd, _joined_bwd)
-
-
 def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_level: bool):
   """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
   if workspace is not None:
-    params, x = _joined((params, x))  # the inputs' psums in the backward come last
+    params, x = ordering.joined((params, x))  # the inputs' psums in the backward come last
   x_shape, x_dtype = x.shape, x.dtype
   x = x.reshape(-1, config.hidden)
   dtype = config.dtype
@@ -633,21 +584,22 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_l
       part = x.shape[0] // tp
       x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(config.tp_axis) * part, part, axis=0)
   stat_axes = config.stat_axes or None
-  topk_weights, topk_ids, aux = _route(params, x, config, stat_axes)
+  topk_weights, topk_ids, aux = _run_router(params, x, config, stat_axes)
   if workspace is not None:
     # The statistics' psums before the dispatch; in the backward, theirs after the weights' cotangents came back.
-    aux, topk_weights = _ordered(aux, topk_weights)
-  rows, recv_ids, recv_w, _, handle, codes = a2a.wire_dispatch_with_codes(
+    aux, topk_weights = ordering.ordered(aux, topk_weights)
+  rows, recv_ids, recv_w, _, handle, codes = wire.wire_dispatch_with_codes(
       x, topk_ids, topk_weights, wire_format=config.wire_format, num_experts=config.num_experts,
       axis_name=config.expert_axis, dtype=dtype, impl=config.impl, workspace=workspace, two_level=two_level)
   rows = checkpoint_name(rows, "dispatched_rows")
   with jax.named_scope("experts"):
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), wire_codes=codes,
-                                      out_dtype=dtype, compute_dtype=dtype, gemm_impl=config.gemm_impl,
-                                      impl=config.impl, backward=config.expert_backward)
+                                      out_dtype=dtype, compute_dtype=dtype,
+                                      precision=config.expert_precision, impl=config.impl,
+                                      backward=config.expert_backward)
   # Combine sums in float32 and rounds once to its out_dtype: straight to x's dtype where nothing is added after.
   direct = not config.num_shared_experts and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-  combine = a2a.combine_two_level if two_level else a2a.combine
+  combine = combine_two_level if two_level else a2a.combine
   y = combine(expert_out, handle, out_dtype=x_dtype if direct else jnp.float32)
   if config.num_shared_experts:
     with jax.named_scope("shared_experts"):
@@ -658,7 +610,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_l
       y_local = y
       y = jax.lax.all_gather(y, config.tp_axis, axis=0, tiled=True)
       if workspace is not None:  # its transpose, a psum_scatter of the incoming cotangent, after the combine
-        y = _after_in_backward(y, jax.lax.stop_gradient(y_local.reshape(-1)[:1]))
+        y = ordering.after_in_backward(y, jax.lax.stop_gradient(y_local.reshape(-1)[:1]))
   return y.reshape(x_shape), aux["load_balance_loss"], aux["expert_load"]
 
 
@@ -775,7 +727,7 @@ def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: AnyMesh) -> Any:
 
 
 def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = None, *,
-              workspace: Optional[Workspace] = None,
+              workspace: Optional[Workspace] = None, expert_precision: Optional[str] = None,
               gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
 
@@ -796,8 +748,10 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       as one-sided custom calls. None: the twin throughout. Under an `AbstractMesh` (the mesh of ``jax.set_mesh``
       while tracing) the workspace's mesh must have its axis names and sizes, and gives the devices where the layer
       needs them (`uses_two_level`); its devices are checked against the mesh's when the calls are lowered.
-    gemm_impl: when given, replaces `config.gemm_impl` (e.g. "ffi": the routed experts on the FP8 grouped GEMM
-      custom call).
+    expert_precision: when given, replaces `config.expert_precision` (e.g. "fp8": the routed experts on the FP8
+      grouped GEMMs).
+    gemm_impl: deprecated, kept for one release: any value but None is read as ``expert_precision="fp8"`` with a
+      DeprecationWarning.
 
   Returns:
     y: x's shape and dtype and sharding: routed experts (sum of top-k weight * expert) plus shared experts.
@@ -813,8 +767,10 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   op = "moe_apply"
   if not isinstance(config, MoEConfig):
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
-  if gemm_impl is not None:
-    config = dataclasses.replace(config, gemm_impl=gemm_impl)
+  if expert_precision is not None or gemm_impl is not None:
+    precision = experts.precision_from_gemm_impl(op, expert_precision or config.expert_precision, gemm_impl,
+                                                 "expert_precision")
+    config = dataclasses.replace(config, expert_precision=precision)
   mesh = resolve_mesh(op, mesh)
   sizes = _mesh_axes(op, config, mesh)
   _check_params(op, params, config)
@@ -885,7 +841,7 @@ def moe_dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
   f32 = jnp.float32
   with jax.default_matmul_precision("highest"):
     xs = x.reshape(-1, config.hidden).astype(f32)
-    topk_weights, topk_ids, aux = _route(params, xs, config, None)
+    topk_weights, topk_ids, aux = _run_router(params, xs, config, None)
     num_tokens, top_k = topk_ids.shape
     w_gate_up, w_down = _expert_weights(params).dequantized(f32)
     flat = topk_ids.reshape(-1)  # route only returns valid ids

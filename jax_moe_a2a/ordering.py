@@ -2,6 +2,8 @@
 
 A one-sided call must not start before the collective that frees its buffers, nor a backward pass before the
 forward output whose buffers it should not overlap; XLA orders ops by their data only, so the order is made data.
+`ordered`, `after_in_backward` and `joined` are identities whose custom VJPs order the backward pass too (the MoE
+layer orders its collectives with its one-sided calls with them).
 """
 
 from __future__ import annotations
@@ -134,3 +136,61 @@ def after(x: jax.Array, *deps: Any) -> jax.Array:
   if not leaves or not x.size or x.dtype == jax.dtypes.float0:
     return x
   return _after(jnp.asarray(x), tuple(leaves))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Orders in both passes: the forward's order by `after`, the backward's by the cotangents' own `after`s
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def ordered(first, then):
+  """(first, then), unchanged: `then` is computed after `first`, and in the backward `first`'s cotangents after
+  `then`'s."""
+  return first, after(then, first)
+
+
+def _ordered_fwd(first, then):
+  return ordered(first, then), None
+
+
+def _ordered_bwd(_, cts):
+  ct_first, ct_then = cts
+  return jax.tree.map(lambda c: after(c, ct_then), ct_first), ct_then
+
+
+ordered.defvjp(_ordered_fwd, _ordered_bwd)
+
+
+@jax.custom_vjp
+def after_in_backward(x, dep):
+  """x, unchanged; in the backward its cotangent is computed after `dep`, a (small) forward value."""
+  return x
+
+
+def _after_in_backward_fwd(x, dep):
+  return x, dep
+
+
+def _after_in_backward_bwd(dep, ct):
+  return after(ct, dep), jnp.zeros_like(dep)
+
+
+after_in_backward.defvjp(_after_in_backward_fwd, _after_in_backward_bwd)
+
+
+@jax.custom_vjp
+def joined(tree):
+  """tree, unchanged; in the backward each of its cotangents is computed after all of them."""
+  return tree
+
+
+def _joined_fwd(tree):
+  return tree, None
+
+
+def _joined_bwd(_, cts):
+  return (jax.tree.map(lambda c: after(c, cts), cts),)
+
+
+joined.defvjp(_joined_fwd, _joined_bwd)

@@ -76,7 +76,8 @@ def check_one_sided_backward(op: str) -> None:
                        f"twin exchange: the same results)")
 
 
-def _describe(a: Any) -> str:
+def describe_array(a: Any) -> str:
+  """An argument's shape and dtype (or type and value) for error messages."""
   if hasattr(a, "shape") and hasattr(a, "dtype"):
     return f"shape {tuple(a.shape)} dtype {a.dtype}"
   return f"{type(a).__name__} {a!r}"
@@ -364,7 +365,7 @@ class Workspace:
   def _dispatch_row_problems(self, x: Any) -> list[str]:
     """What keeps ``x`` ([T, ...], an array or its shape and dtype) out of the dispatch regions: T over the
     capacity, a row over the room of a received row (layout.x_row_bytes)."""
-    x_row = _row_bytes(x)
+    x_row = row_bytes(x)
     problems = []
     if x.shape[0] > self.layout.capacity:
       problems.append(f"num_tokens {x.shape[0]} > capacity {self.layout.capacity}")
@@ -375,7 +376,7 @@ class Workspace:
 
   def check_dispatch(self, x: jax.Array, x_sf: Optional[jax.Array], top_k: int, num_ranks: int) -> None:
     d = self.layout.dispatch
-    sf_row = 0 if x_sf is None else _row_bytes(x_sf)
+    sf_row = 0 if x_sf is None else row_bytes(x_sf)
     problems = []
     if num_ranks != self.num_ranks:
       problems.append(f"num_ranks {num_ranks} (workspace: {self.num_ranks})")
@@ -392,7 +393,7 @@ class Workspace:
     hidden = expert_out.shape[-1]
     if jnp.dtype(expert_out.dtype) != self.combine_dtype or hidden != self.layout.dispatch.hidden:
       raise ValueError(f"combine: expert_out must be [num_ranks, num_tokens, {self.layout.dispatch.hidden}] "
-                       f"{self.combine_dtype} to fit the workspace, got {_describe(expert_out)}")
+                       f"{self.combine_dtype} to fit the workspace, got {describe_array(expert_out)}")
     if jnp.dtype(out_dtype) not in COMBINE_DTYPES:
       raise ValueError(f"combine: out_dtype must be bfloat16 or float32 on the custom-call path, got {out_dtype}")
     self.id  # pylint: disable=pointless-statement
@@ -447,7 +448,7 @@ def _groups_text(groups: tuple[tuple[int, ...], ...]) -> str:
   return "[" + ", ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + "]"
 
 
-def _row_bytes(a: Any) -> int:
+def row_bytes(a: Any) -> int:
   """Bytes of one row of ``a`` ([T, ...], an array or its shape and dtype)."""
   return int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize
 

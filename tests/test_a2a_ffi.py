@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_moe_a2a import _ffi, a2a, layout, quant
+from jax_moe_a2a.wire import wire_dispatch
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 AXIS = "ep"
@@ -580,7 +581,7 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
 @pytest.mark.parametrize("combine_dtype,x_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32),
                                                    (jnp.float32, jnp.bfloat16)])
 def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype, x_dtype):
-  """a2a.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
+  """wire.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
   gives the twin's cotangents bit for bit, for the same cotangents of every output; for bfloat16 x the one-sided
   combine writes bfloat16, one rounding of the float32 sums as the twin's cast."""
   mesh = _mesh()
@@ -597,7 +598,7 @@ def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype,
   def grads(ws):
     def body(x, ids, weights, ct_rows, ct_w):
       def f(x, weights):
-        rows, _, recv_w, _, _ = a2a.wire_dispatch(x, ids, weights, wire_format=wire, num_experts=num_experts,
+        rows, _, recv_w, _, _ = wire_dispatch(x, ids, weights, wire_format=wire, num_experts=num_experts,
                                                   axis_name=AXIS, dtype=jnp.float32, workspace=ws,
                                                   impl="reference" if ws is None else "ffi")
         return rows, recv_w

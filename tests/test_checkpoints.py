@@ -421,7 +421,8 @@ def test_an_fp8_checkpoint_runs_as_its_dequantized_weights():
   want = _hf_forward("deepseek_v3", dequantized, x, c=c, p=p)
   # Max error over max |output|: float32 experts on the dequantized weights, the stored FP8 weights, and the FP8
   # GEMMs (activations rounded to E4M3 too).
-  for overrides, tol in (({}, 2e-5), ({"fp8_weights": True}, 2e-5), ({"fp8_weights": True, "gemm_impl": "auto"}, 6e-2)):
+  for overrides, tol in (({}, 2e-5), ({"fp8_weights": True}, 2e-5),
+                         ({"fp8_weights": True, "expert_precision": "fp8"}, 6e-2)):
     config = checkpoints.config_from_hf(FP8_CONFIG, dtype=jnp.float32, **overrides)
     params = checkpoints.params_from_hf(t, config, model_type="deepseek_v3", prefix=p)
     specs = moe.param_specs(config)

@@ -55,11 +55,22 @@ def test_verdict(calc_diffs, load_equal, loss_diff, ok):
     (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
     (["--experts", "12"], "--experts must be divisible by the 8 ranks of the expert axis, got 12"),
     (["--wire", "fp8_blockwise", "--hidden", "200"], "does not fit wire_format 'fp8_blockwise'"),
+    (["--gemm", "ffi", "--expert-precision", "dtype"],
+     "--expert-precision must be fp8 with --gemm ffi (deprecated, read as --expert-precision fp8), got dtype"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
   devices(8)  # the messages are those of eight devices
   assert demo.run(demo.parser().parse_args(SMALL + argv)) == 2
   assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,precision", [
+    ([], "dtype"), (["--expert-precision", "fp8"], "fp8"), (["--expert-precision", "dtype"], "dtype"),
+    (["--gemm", "ffi"], "fp8"), (["--gemm", "reference"], "fp8"),
+    (["--gemm", "ffi", "--expert-precision", "fp8"], "fp8"),
+])
+def test_expert_precision_from_the_options_and_the_deprecated_gemm(argv, precision):
+  assert demo.expert_precision(demo.parser().parse_args(SMALL + argv)) == precision
 
 
 def test_simulated_devices_are_requested_only_before_jax_is_imported(monkeypatch):

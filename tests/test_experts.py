@@ -1,4 +1,5 @@
-"""Tests of the expert stage (jax_moe_a2a.experts; its MLPs are tested in test_expert_mlp.py) against a loop-by-loop float64 NumPy oracle.
+"""Tests of the expert stage (jax_moe_a2a.experts; its MLPs are tested in test_expert_mlp.py) against a
+loop-by-loop float64 NumPy oracle.
 
 With float32 compute the stage differs from the oracle only by float32 rounding: ``max |err| <= 1e-5 *
 max |ref|`` (observed ~1e-7). FP8 weights and FP8 rows are compared with an oracle that uses the same
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe_a2a import experts, grouped_gemm, quant
+from jax_moe_a2a import expert_mlp, experts, quant
 
 HIDDEN, FFN, LOCAL, TOP_K = 256, 128, 3, 4
 TOL = 1e-5
@@ -44,7 +45,7 @@ def _weights(seed, num_local=LOCAL):
   rng = np.random.default_rng(100 + seed)
   gu = (rng.standard_normal((num_local, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
   dn = (rng.standard_normal((num_local, HIDDEN, FFN)) / np.sqrt(FFN)).astype(np.float32)
-  return experts.ExpertWeights(jnp.asarray(gu), jnp.asarray(dn))
+  return expert_mlp.ExpertWeights(jnp.asarray(gu), jnp.asarray(dn))
 
 
 def _oracle(x, ids, w, weights):
@@ -99,7 +100,7 @@ def test_padding_rows_give_exact_zeros_even_with_garbage_rows():
 def test_fp8_weights_and_fp8_rows():
   x, ids, w = _layout(2)
   dense = _weights(2)
-  weights = experts.ExpertWeights.quantize(dense.w_gate_up, dense.w_down)
+  weights = expert_mlp.ExpertWeights.quantize(dense.w_gate_up, dense.w_down)
   assert weights.is_fp8 and weights.w_gate_up.dtype == jnp.float8_e4m3fn
   assert weights.w_gate_up_sf.shape == (LOCAL, 2 * FFN // 128, HIDDEN // 128)
   x_q, x_sf = quant.quantize_fp8_blockwise(jnp.asarray(x.reshape(-1, HIDDEN)))
@@ -114,11 +115,11 @@ def test_fp8_weights_and_fp8_rows():
   assert _max_rel(out, _oracle(x, ids, w, dense)) > 1e-3
 
 
-@pytest.mark.parametrize("gemm_impl", ["reference", "ffi"])
-def test_fp8_experts_take_fp8_rows_as_they_are(gemm_impl):
+@pytest.mark.parametrize("impl", ["reference", "ffi"])
+def test_fp8_experts_take_fp8_rows_as_they_are(impl):
   """With FP8 experts, FP8 rows and their decoded floats give the same bits (1x128 requantization of decoded
   power-of-two-scaled rows is exact), and both stay close to the float32 oracle of the decoded rows."""
-  if gemm_impl == "ffi":
+  if impl == "ffi":
     pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
   x, ids, w = _layout(3)
   weights = _weights(3)
@@ -126,7 +127,7 @@ def test_fp8_experts_take_fp8_rows_as_they_are(gemm_impl):
   x_deq = quant.dequantize_fp8_blockwise(x_q, x_sf).reshape(x.shape)
   x_q, x_sf = x_q.reshape(x.shape), x_sf.reshape(x.shape[:2] + (HIDDEN // 128,))
   stage = jax.jit(lambda x, ids, w, wt, x_sf=None: experts.expert_stage(
-      x, ids, w, wt, recv_x_sf=x_sf, out_dtype=jnp.float32, gemm_impl=gemm_impl))
+      x, ids, w, wt, recv_x_sf=x_sf, out_dtype=jnp.float32, precision="fp8", impl=impl))
   direct = np.asarray(stage(x_q, ids, w, weights, x_sf=x_sf))
   decoded = np.asarray(stage(x_deq, ids, w, weights))
   np.testing.assert_array_equal(direct, decoded)
@@ -134,12 +135,12 @@ def test_fp8_experts_take_fp8_rows_as_they_are(gemm_impl):
   assert 1.0 - 2.0 * np.sum(direct * want) / np.sum(direct ** 2 + want ** 2) < 3e-3
 
 
-@pytest.mark.parametrize("gemm_impl", ["reference", "ffi"])
-def test_fp8_experts_compute_from_wire_codes_and_give_the_decoded_rows_the_gradient(gemm_impl):
+@pytest.mark.parametrize("impl", ["reference", "ffi"])
+def test_fp8_experts_compute_from_wire_codes_and_give_the_decoded_rows_the_gradient(impl):
   """With wire_codes, the FP8 experts compute from the codes that arrived (the same bits as FP8 rows given as
   they are; the decoded rows' values are not read, so even NaN rows change nothing), and the decoded rows get
   the straight-through gradient of the run without codes, up to the bf16 rounding of the decode."""
-  if gemm_impl == "ffi":
+  if impl == "ffi":
     pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
   x, ids, w = _layout(5)
   weights = _weights(5)
@@ -149,7 +150,7 @@ def test_fp8_experts_compute_from_wire_codes_and_give_the_decoded_rows_the_gradi
 
   def stage(rows, codes=None, x_sf=None):
     return experts.expert_stage(rows, ids, w, weights, recv_x_sf=x_sf, wire_codes=codes, out_dtype=jnp.float32,
-                                gemm_impl=gemm_impl)
+                                precision="fp8", impl=impl)
 
   with_codes = np.asarray(jax.jit(stage)(rows, codes))
   np.testing.assert_array_equal(with_codes, np.asarray(jax.jit(stage)(codes[0], x_sf=codes[1])))
@@ -171,7 +172,7 @@ def test_wire_codes_of_another_shape_or_dtype_are_refused(bad, match):
   x_q, x_sf = quant.quantize_fp8_blockwise(jnp.asarray(x.reshape(-1, HIDDEN)), impl="reference")
   codes = bad(x_q.reshape(x.shape), x_sf.reshape(x.shape[:2] + (HIDDEN // 128,)))
   with pytest.raises(ValueError, match=match):
-    experts.expert_stage(jnp.asarray(x), ids, w, _weights(5), wire_codes=codes, gemm_impl="reference")
+    experts.expert_stage(jnp.asarray(x), ids, w, _weights(5), wire_codes=codes, precision="fp8", impl="reference")
 
 
 def test_bf16_compute_is_close():
@@ -206,15 +207,15 @@ def test_errors(case, error, match):
   elif case == "weights_shape":
     w = w[..., :2]
   elif case == "w_down_shape":
-    weights = experts.ExpertWeights(weights.w_gate_up, weights.w_down[:, :, :64])
+    weights = expert_mlp.ExpertWeights(weights.w_gate_up, weights.w_down[:, :, :64])
   elif case == "w_gate_up_hidden":
-    weights = experts.ExpertWeights(weights.w_gate_up[:, :, :128], weights.w_down)
+    weights = expert_mlp.ExpertWeights(weights.w_gate_up[:, :, :128], weights.w_down)
   elif case == "fp8_rows_without_scales":
     x = jnp.asarray(x).astype(jnp.float8_e4m3fn)
   elif case == "method":
     kwargs["method"] = "cutlass"
   elif case == "no_ffn":  # bf16 compute on the grouped GEMMs (the default)
-    weights = experts.ExpertWeights(weights.w_gate_up[:, :0], weights.w_down[:, :, :0])
+    weights = expert_mlp.ExpertWeights(weights.w_gate_up[:, :0], weights.w_down[:, :, :0])
   with pytest.raises(error, match=match):
     experts.expert_stage(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), weights, **kwargs)
 
@@ -243,7 +244,7 @@ def test_expert_stage_gradients_match_dense_autodiff(compute_dtype, impl):
   ct = np.random.default_rng(8).standard_normal(x.shape).astype(np.float32)
 
   def stage(x, w, gu, dn):
-    out = experts.expert_stage(x, jnp.asarray(ids), w, experts.ExpertWeights(gu, dn), out_dtype=jnp.float32,
+    out = experts.expert_stage(x, jnp.asarray(ids), w, expert_mlp.ExpertWeights(gu, dn), out_dtype=jnp.float32,
                                compute_dtype=compute_dtype, impl=impl)
     return jnp.sum(out * ct)
 
@@ -264,8 +265,8 @@ def test_expert_stage_gradients_match_dense_autodiff(compute_dtype, impl):
   assert not np.any(np.asarray(got[0])[:, -3:]) and not np.any(np.asarray(got[1])[ids < 0])
 
 
-@pytest.mark.parametrize("gemm_impl", [None, "reference"])
-def test_grouped_gemm_experts_save_each_row_once_and_no_expert_output(gemm_impl):
+@pytest.mark.parametrize("precision", ["dtype", "fp8"])
+def test_grouped_gemm_experts_save_each_row_once_and_no_expert_output(precision):
   """For the backward pass the bf16 and FP8 grouped-GEMM experts keep the received rows once (bf16, or FP8 codes)
   and the gate/up rows: neither the rows expanded to one per assignment nor the expert outputs ([A, hidden],
   A = rows * top_k), which the backward makes again or does without."""
@@ -274,8 +275,8 @@ def test_grouped_gemm_experts_save_each_row_once_and_no_expert_output(gemm_impl)
   num_rows = x.shape[0] * x.shape[1]
 
   def stage(x, w, gu, dn):
-    return experts.expert_stage(x, jnp.asarray(ids), w, experts.ExpertWeights(gu, dn), out_dtype=jnp.float32,
-                                gemm_impl=gemm_impl, impl="reference")
+    return experts.expert_stage(x, jnp.asarray(ids), w, expert_mlp.ExpertWeights(gu, dn), out_dtype=jnp.float32,
+                                precision=precision, impl="reference")
 
   args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), weights.w_gate_up, weights.w_down)
   _, vjp = jax.vjp(stage, *args)
@@ -293,13 +294,13 @@ def test_expert_stage_fp8_backward_gradients_match_dense_autodiff(backward, fp8_
   x, ids, w = _layout(23, capacity=40)
   weights = _weights(23)
   if fp8_weights:
-    weights = experts.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
+    weights = expert_mlp.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
   ct = np.random.default_rng(24).standard_normal(x.shape).astype(np.float32)
 
   def stage(backward):
     def f(x, w, gu, dn):
-      wt = experts.ExpertWeights(gu, dn, weights.w_gate_up_sf, weights.w_down_sf)
-      out = experts.expert_stage(x, jnp.asarray(ids), w, wt, out_dtype=jnp.float32, gemm_impl="auto",
+      wt = expert_mlp.ExpertWeights(gu, dn, weights.w_gate_up_sf, weights.w_down_sf)
+      out = experts.expert_stage(x, jnp.asarray(ids), w, wt, out_dtype=jnp.float32, precision="fp8",
                                  backward=backward)
       return jnp.sum(out * ct)
     return f
@@ -328,11 +329,36 @@ def test_the_fp8_backward_keeps_rows_and_gate_up_rows_in_fp8():
   num_rows, a = x.shape[0] * x.shape[1], x.shape[0] * x.shape[1] * TOP_K
 
   def stage(x, w, gu, dn):
-    return experts.expert_stage(x, jnp.asarray(ids), w, experts.ExpertWeights(gu, dn), out_dtype=jnp.float32,
-                                gemm_impl="reference", impl="reference", backward="fp8")
+    return experts.expert_stage(x, jnp.asarray(ids), w, expert_mlp.ExpertWeights(gu, dn), out_dtype=jnp.float32,
+                                precision="fp8", impl="reference", backward="fp8")
 
   _, vjp = jax.vjp(stage, jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), weights.w_gate_up, weights.w_down)
   saved = {(tuple(l.shape), jnp.dtype(l.dtype).name) for l in jax.tree_util.tree_leaves(vjp)}
   assert ((a, 2 * FFN), "float8_e4m3fn") in saved and ((a, 2 * FFN // 128), "float32") in saved
   assert ((num_rows, HIDDEN), "float8_e4m3fn") in saved and ((num_rows, HIDDEN // 128), "float32") in saved
   assert not [s for s in saved if s[0] == (a, 2 * FFN) and s[1] != "float8_e4m3fn"], saved
+
+
+def test_the_deprecated_gemm_impl_means_fp8_experts_with_a_warning():
+  """gemm_impl=X (the old spelling) warns, naming precision, and runs exactly the FP8 experts of precision="fp8"."""
+  x, ids, w = _layout(12)
+  weights = _weights(12)
+  args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(w), weights)
+  want = experts.expert_stage(*args, precision="fp8", impl="reference")
+  with pytest.warns(DeprecationWarning, match=r"expert_stage: gemm_impl is deprecated: use precision='fp8'"):
+    got = experts.expert_stage(*args, gemm_impl="reference", impl="reference")
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert not np.array_equal(np.asarray(want, np.float32),
+                            np.asarray(experts.expert_stage(*args, impl="reference"), np.float32))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(precision="bf16"), r"expert_stage: precision must be one of 'dtype', 'fp8', got 'bf16'"),
+    (dict(gemm_impl="cutlass"), r"expert_stage: gemm_impl \(deprecated: use precision='fp8'\) must be None or one of "
+                                r"auto, ffi, reference, got 'cutlass'"),
+])
+def test_an_unknown_precision_is_refused(kwargs, match):
+  x, ids, w = _layout(0)
+  with pytest.raises(ValueError, match=match):
+    experts.expert_stage(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), _weights(0), **kwargs)
+

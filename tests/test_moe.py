@@ -13,8 +13,8 @@ Tolerances, and why:
   half the squared relative error, is ~6.5e-4 for the activations themselves. Outputs and gradients must stay
   below 2e-3 (observed 5e-4 to 8e-4). Gradients are straight-through (tested bit for bit separately), so only
   the forward activations carry quantization error.
-- FP8 experts (``gemm_impl``): the experts' input rows and their SwiGLU activations are quantized 1x128, and
-  float weights 128x128 (FP8 weights are the oracle's own): two or three quantizations of ~6.5e-4 each, so
+- FP8 experts (``expert_precision="fp8"``): the experts' input rows and their SwiGLU activations are quantized
+  1x128, and float weights 128x128 (FP8 weights are the oracle's own): two or three quantizations of ~6.5e-4 each, so
   outputs and gradients must stay below 4e-3 (observed ~2e-3 with float weights).
 - BF16 compute: operands and the combine payload round to 8 bits of mantissa; ``calc_diff < 1e-4`` and
   ``max |err| <= 3e-2 * max |ref|`` (observed 7e-6 and 8e-3).
@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from conftest import devices
 from jax_moe_a2a import a2a, expert_mlp, moe, routing
 from jax_moe_a2a.testing import calc_diff, max_rel
+from jax_moe_a2a.wire import wire_dispatch
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
 F32_TOL = 2e-5  # max |err| / max |ref| with float32 compute
@@ -120,7 +121,7 @@ def _run(config, mesh, **kw):
   # The oracle depends on neither mesh nor wire nor compute dtype: share its compilation between tests.
   oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
                                       expert_axis="expert", tp_axis=None, sequence_parallel=False,
-                                      gemm_impl=None, expert_backward="bf16")
+                                      expert_precision="dtype", expert_backward="bf16")
   want = _oracle_fn(oracle_config)(*jax.device_put((params, x, ct), one))
   return jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want)
 
@@ -250,13 +251,14 @@ def test_fp8_wire_and_fp8_weights():
   assert max_rel(got[0], want[0]) > 1e-4
 
 
-@pytest.mark.parametrize("gemm_impl", ["ffi", "reference"])
+@pytest.mark.parametrize("impl", ["auto", "reference"])
 @pytest.mark.parametrize("fp8_weights", [False, True])
-def test_fp8_experts_on_the_grouped_gemm(gemm_impl, fp8_weights):
-  """Routed experts in FP8 (grouped GEMM custom call or its twin): activations quantized 1x128 twice."""
-  if gemm_impl == "ffi":
+def test_fp8_experts_on_the_grouped_gemm(impl, fp8_weights):
+  """Routed experts in FP8 (grouped GEMM custom call, which "auto" takes with the extension, or its reference):
+  activations quantized 1x128 twice."""
+  if impl == "auto":
     pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
-  config = _config(fp8_weights=fp8_weights, gemm_impl=gemm_impl)
+  config = _config(fp8_weights=fp8_weights, expert_precision="fp8", impl=impl)
   got, want = _run(config, _mesh((2, 4), ("data", "expert")))
   _assert_calc_diff(got, want, FP8_EXPERTS_CALC_DIFF)
   assert max_rel(got[0], want[0]) > 1e-4  # the experts really ran in FP8
@@ -267,7 +269,7 @@ def test_the_fp8_backward_matches_the_oracle(backward, fp8_weights):
   """expert_backward="fp8_dgrad" (FP8 data gradients, FP8-kept gate/up rows) and "fp8" (FP8 weight gradients too)
   through the whole layer: output and every gradient within the FP8 experts' tolerance of the float32 oracle, and
   gradients not those of the bf16 backward."""
-  config = _config(fp8_weights=fp8_weights, gemm_impl="auto", expert_backward=backward)
+  config = _config(fp8_weights=fp8_weights, expert_precision="fp8", expert_backward=backward)
   mesh = _mesh((2, 4), ("data", "expert"))
   got, want = _run(config, mesh)
   _assert_calc_diff(got, want, FP8_EXPERTS_CALC_DIFF)
@@ -276,14 +278,31 @@ def test_the_fp8_backward_matches_the_oracle(backward, fp8_weights):
   assert max_rel(got[2]["x"], bf16_backward[2]["x"]) > 1e-4  # another backward
 
 
-def test_moe_apply_gemm_impl_argument_overrides_the_config():
+def test_moe_apply_expert_precision_argument_overrides_the_config():
   config, mesh = _config(), _mesh((2, 4), ("data", "expert"))
   params, x, _ = _inputs(config, mesh)
   bf16_path = moe.moe_apply(params, x, config, mesh)[0]
-  fp8_path = moe.moe_apply(params, x, config, mesh, gemm_impl="reference")[0]
-  same = moe.moe_apply(params, x, dataclasses.replace(config, gemm_impl="reference"), mesh)[0]
+  fp8_path = moe.moe_apply(params, x, config, mesh, expert_precision="fp8")[0]
+  same = moe.moe_apply(params, x, dataclasses.replace(config, expert_precision="fp8"), mesh)[0]
   np.testing.assert_array_equal(np.asarray(fp8_path), np.asarray(same))
   assert max_rel(fp8_path, bf16_path) > 1e-4
+  back = moe.moe_apply(params, x, dataclasses.replace(config, expert_precision="fp8"), mesh, expert_precision="dtype")
+  np.testing.assert_array_equal(np.asarray(back[0]), np.asarray(bf16_path))
+
+
+def test_the_deprecated_gemm_impl_is_read_as_expert_precision_fp8_with_a_warning():
+  """The old spelling keeps working for one release: MoEConfig(gemm_impl=...) and moe_apply(..., gemm_impl=...)
+  warn, naming expert_precision, and make the config (equal, same hash) and the output of expert_precision="fp8"."""
+  new = _config(expert_precision="fp8")
+  with pytest.warns(DeprecationWarning, match=r"MoEConfig: gemm_impl is deprecated: use expert_precision='fp8'"):
+    old = _config(gemm_impl="reference")
+  assert old == new and hash(old) == hash(new) and old.gemm_impl is None
+  mesh = _mesh((2, 4), ("data", "expert"))
+  params, x, _ = _inputs(new, mesh)
+  want = moe.moe_apply(params, x, new, mesh)[0]
+  with pytest.warns(DeprecationWarning, match=r"moe_apply: gemm_impl is deprecated: use expert_precision='fp8'"):
+    got = moe.moe_apply(params, x, _config(), mesh, gemm_impl="auto")[0]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bf16_compute():
@@ -310,7 +329,7 @@ def _wire_vjps(num_ranks=4, num_tokens=12):
 
   def body(x, ids, w, ct_rows, ct_w):
     def wire(x, w):
-      rows, _, recv_w, _, _ = a2a.wire_dispatch(x, ids, w, wire_format="fp8_blockwise", num_experts=EXPERTS,
+      rows, _, recv_w, _, _ = wire_dispatch(x, ids, w, wire_format="fp8_blockwise", num_experts=EXPERTS,
                                                 axis_name="ep", dtype=jnp.float32)
       return rows, recv_w
 
@@ -425,10 +444,14 @@ def test_init_params_shapes_and_shardings(fp8_weights):
     (dict(impl="cuda"), "impl must be one of auto, ffi, reference"),
     (dict(router_kind="deepseek_v3", n_group=3), "invalid router settings"),
     (dict(num_shared_experts=-1), "num_shared_experts must be an int >= 0"),
-    (dict(gemm_impl="cutlass"), "gemm_impl must be None or one of auto, ffi, reference, got 'cutlass'"),
-    (dict(gemm_impl="ffi", ffn=96), "gemm_impl='ffi' (FP8 experts) needs ffn % 128 == 0, got ffn=96"),
+    (dict(gemm_impl="cutlass"), "gemm_impl (deprecated: use expert_precision='fp8') must be None or one of auto, "
+                                "ffi, reference, got 'cutlass'"),
+    (dict(expert_precision="bf16"), "expert_precision must be one of 'dtype', 'fp8', got 'bf16'"),
+    (dict(expert_precision="fp8", ffn=96), "ffn must be a multiple of 128 with expert_precision='fp8' (FP8 experts), "
+                                           "got ffn=96"),
     (dict(expert_backward="fp4"), "expert_backward must be one of bf16, fp8_dgrad, fp8, got 'fp4'"),
-    (dict(expert_backward="fp8"), "expert_backward='fp8' is a backward of FP8 experts, so it needs gemm_impl"),
+    (dict(expert_backward="fp8"), "expert_backward='fp8' is a backward of FP8 experts, so it needs "
+                                  "expert_precision='fp8', got expert_precision='dtype'"),
 ])
 def test_config_errors(kw, match):
   with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):

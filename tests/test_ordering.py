@@ -1,6 +1,7 @@
 """Tests of `ordering.after`: x comes back bit for bit in every dtype JAX has (every bit pattern of the 8-bit and
 narrower types, NaNs with their signs and payloads in the wider ones), the compiled program keeps the dependency
-(also where x is a constant), and arguments that are not arrays are refused by name."""
+(also where x is a constant), and arguments that are not arrays are refused by name; and of the identities that
+order a backward pass with it (`ordered`, `after_in_backward`, `joined`)."""
 
 import re
 
@@ -10,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_moe_a2a import a2a, ordering
+from jax_moe_a2a import ordering
 
 # Every dtype jax.numpy names, found by name so that one added to JAX is tested too.
 _NAMES = sorted(n for n in dir(jnp) if re.fullmatch(r"(u?int\d+|b?float\d+(_\w+)?|complex\d+|bool_)", n))
@@ -148,15 +149,15 @@ def test_after_keeps_every_bit_and_a_dependency_the_compiler_keeps():
   x.view(np.uint32)[0, 0] = 0x7FC0BEEF  # a NaN payload
   dep = jnp.array([-0.0, 2.0], jnp.bfloat16)  # its bits, not its value, make the dependency: -0.0 works too
   for a in (x, x.astype(jnp.bfloat16), x.astype(jnp.float8_e4m3fn), np.array([3, -1], np.int32), np.array(True)):
-    got = jax.jit(a2a.after)(a, dep)
+    got = jax.jit(ordering.after)(a, dep)
     assert got.dtype == a.dtype and got.shape == a.shape
     np.testing.assert_array_equal(_bits(got), _bits(a))
-  g = jax.grad(lambda x, d: jnp.sum(a2a.after(x, d) * jnp.arange(4.0).reshape(2, 2)), argnums=(0, 1))(
+  g = jax.grad(lambda x, d: jnp.sum(ordering.after(x, d) * jnp.arange(4.0).reshape(2, 2)), argnums=(0, 1))(
       np.ones_like(x), dep)
   np.testing.assert_array_equal(g[0], np.arange(4.0).reshape(2, 2))
   np.testing.assert_array_equal(g[1], np.zeros(2))
   # In the compiled program the result still reads the dependency (parameter 1).
-  hlo = jax.jit(lambda x, d: a2a.after(x, d) * 2).lower(x, dep).compile().as_text()
+  hlo = jax.jit(lambda x, d: ordering.after(x, d) * 2).lower(x, dep).compile().as_text()
   entry = hlo[hlo.index("ENTRY"):]
   param = re.search(r"%([\w.\-]+) = bf16\[2\]\{0\} parameter\(1\)", entry).group(1)
   assert re.search(rf"[(,] ?%{re.escape(param)}\b", entry), entry
@@ -166,7 +167,7 @@ def test_after_keeps_every_bit_and_a_dependency_the_compiler_keeps():
 def test_after_keeps_its_dependency_when_x_is_a_constant(dtype):
   # A zero cotangent reaches `after` as a constant: the compiled program must still read the dependency.
   dep = jnp.array([-0.0, 2.0], jnp.bfloat16)
-  f = jax.jit(lambda d: a2a.after(jnp.zeros((3,), dtype), d))
+  f = jax.jit(lambda d: ordering.after(jnp.zeros((3,), dtype), d))
   entry = f.lower(dep).compile().as_text()
   entry = entry[entry.index("ENTRY"):]
   param = re.search(r"%([\w.\-]+) = bf16\[2\]\{0\} parameter\(0\)", entry).group(1)
@@ -211,3 +212,32 @@ def test_a_python_scalar_dep_is_refused_under_jit_too():
 def test_none_in_deps_is_an_empty_pytree():
   x = jnp.ones(2)
   np.testing.assert_array_equal(ordering.after(x, None, {"a": None}), x)
+
+
+def test_the_backward_orderings_are_identities_in_both_passes():
+  """ordered, after_in_backward and joined return their inputs bit for bit, and their gradients are the
+  cotangents unchanged (dep's is zero): the order they add costs no value."""
+  a, b = jnp.asarray([1.5, -2.0, jnp.nan]), jnp.asarray([[3.0, 4.0]])
+  ct_a, ct_b = jnp.asarray([0.25, -1.0, 7.0]), jnp.asarray([[2.0, -0.5]])
+  for fn in (lambda a, b: ordering.ordered(a, b), lambda a, b: (ordering.after_in_backward(a, b), b),
+             lambda a, b: ordering.joined((a, b))):
+    out, vjp = jax.vjp(jax.jit(fn), a, b)
+    np.testing.assert_array_equal(_bits(out[0]), _bits(a))
+    np.testing.assert_array_equal(out[1], b)
+    d_a, d_b = vjp((ct_a, ct_b))
+    np.testing.assert_array_equal(d_a, ct_a)
+    np.testing.assert_array_equal(d_b, ct_b)
+
+
+@pytest.mark.parametrize("which", ["ordered", "after_in_backward", "joined"])
+def test_the_backward_orderings_keep_their_dependency_in_the_compiled_backward(which):
+  """The cotangent they order waits on its dep in the compiled backward: the select of `after` survives (the
+  cotangents are squares' derivatives, values of the inputs, so nothing folds to a constant)."""
+  x, dep = jnp.arange(4.0), jnp.arange(2.0)
+  sq = lambda vs: sum(jnp.sum(v * v) for v in vs)
+  fn = {"ordered": lambda x, d: sq(ordering.ordered(d, x)),
+        "after_in_backward": lambda x, d: sq([ordering.after_in_backward(x, d)]),
+        "joined": lambda x, d: sq(ordering.joined((x, d)))}[which]
+  hlo = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(x, dep).compile().as_text()
+  assert "select" in hlo, hlo
+

@@ -1,6 +1,6 @@
 """Training with the FP8 recipe: a small MoE regression model trained for 300 steps with FP8 experts and the FP8
-backward (`MoEConfig(gemm_impl=..., expert_backward="fp8")`) ends within 2 % of the loss of the same model trained
-with bf16 experts, from the same start on the same data (a fresh batch each step, as in pretraining: the loss is
+backward (`MoEConfig(expert_precision="fp8", expert_backward="fp8")`) ends within 2 % of the loss of the same model
+trained with bf16 experts, from the same start on the same data (a fresh batch each step, as in pretraining: the loss is
 the model's, not how well it memorized a few batches). The FP8 steps run the grouped-GEMM custom call's CPU handler
 here (the twin under JAX_MOE_A2A_IMPL=reference) and the CUDA kernels on a GPU."""
 
@@ -57,7 +57,7 @@ def test_the_fp8_recipe_trains_as_bf16_does():
   mesh = jax.make_mesh((1, n), ("data", "expert"), devices=jax.devices()[:n],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bf16 = moe.MoEConfig(num_experts=8, top_k=2, hidden=HIDDEN, ffn=128, dtype=jnp.bfloat16, param_dtype=jnp.float32)
-  fp8 = dataclasses.replace(bf16, gemm_impl="auto", expert_backward="fp8")
+  fp8 = dataclasses.replace(bf16, expert_precision="fp8", expert_backward="fp8")
   batches = _batches(mesh)
   params = moe.init_params(jax.random.key(0), bf16, mesh)
   base = _train(bf16, mesh, batches, params)

@@ -2,7 +2,7 @@
 8 x 1 edge cases): against the flat dispatch over the same two axes, the one-sided path against the twin, and the
 layer against the dense oracle.
 
-What must hold (a2a.dispatch_two_level, a2a.combine_two_level):
+What must hold (two_level.dispatch_two_level, two_level.combine_two_level):
 
 - Every (token, expert) assignment arrives at the rank the flat dispatch sends it to, with the same row bits,
   local id and weight (in another slot), and each rank receives each token once.
@@ -24,8 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
 from jax_moe_a2a import _ffi, a2a, flax_moe, moe
-from jax_moe_a2a import workspace as workspace_lib
 from jax_moe_a2a.testing import calc_diff, max_rel
+from jax_moe_a2a.two_level import combine_two_level, dispatch_two_level
+from jax_moe_a2a.wire import wire_dispatch
 from jax_moe_a2a.workspace import Workspace
 
 import test_moe  # the layer tests' inputs, oracle and tolerances
@@ -72,10 +73,10 @@ def _both(mesh, num_experts, *, workspace=None, impl="auto"):
 
   def body(x, ids, w):
     flat, flat_handle = a2a.dispatch(x, ids, w, num_experts=num_experts, axis_name=AXES)
-    two, two_handle = a2a.dispatch_two_level(x, ids, w, num_experts=num_experts, node_axis="node",
+    two, two_handle = dispatch_two_level(x, ids, w, num_experts=num_experts, node_axis="node",
                                              local_axis="local", workspace=workspace, impl=impl)
     y_flat = a2a.combine(_expert(flat), flat_handle, out_dtype=jnp.float32)
-    y_two = a2a.combine_two_level(_expert(two), two_handle, out_dtype=jnp.float32)
+    y_two = combine_two_level(_expert(two), two_handle, out_dtype=jnp.float32)
     return flat, two, y_flat, y_two
 
   spec = P(AXES)
@@ -113,7 +114,7 @@ def test_a_token_crosses_to_each_node_once():
   x, _, w = _inputs(2, num_experts)
 
   def body(x, ids, w):
-    _, handle = a2a.dispatch_two_level(x, ids, w, num_experts=num_experts, node_axis="node", local_axis="local")
+    _, handle = dispatch_two_level(x, ids, w, num_experts=num_experts, node_axis="node", local_axis="local")
     return handle.node.recv_counts[None], handle.local.recv_counts[None]
 
   node_counts, local_counts = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))(
@@ -147,9 +148,9 @@ def _grads(mesh, num_experts, *, two_level, workspace=None, impl="auto"):
   def loss(x, ids, w, ct):
     def body(x, ids, w):
       if two_level:
-        res, handle = a2a.dispatch_two_level(x, ids, w, num_experts=num_experts, node_axis="node",
+        res, handle = dispatch_two_level(x, ids, w, num_experts=num_experts, node_axis="node",
                                              local_axis="local", workspace=workspace, impl=impl)
-        return a2a.combine_two_level(_expert(res), handle, out_dtype=jnp.float32)
+        return combine_two_level(_expert(res), handle, out_dtype=jnp.float32)
       res, handle = a2a.dispatch(x, ids, w, num_experts=num_experts, axis_name=AXES)
       return a2a.combine(_expert(res), handle, out_dtype=jnp.float32)
 
@@ -193,7 +194,7 @@ def _layer_run(config, mesh, workspace):
   got = test_moe._value_and_grads(  # pylint: disable=protected-access
       lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace))(params, x, ct)
   oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
-                                               expert_axis="expert", two_level=None, gemm_impl=None)
+                                               expert_axis="expert", two_level=None, expert_precision="dtype")
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   want = test_moe._oracle_fn(oracle_config)(*jax.device_put((params, x, ct), one))  # pylint: disable=protected-access
   return jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want)
@@ -218,7 +219,7 @@ def test_layer_matches_the_oracle(shape, with_workspace):
 
 
 def test_layer_with_fp8_wire_and_fp8_experts():
-  config = _layer_config(wire_format="fp8_blockwise", gemm_impl="ffi", dtype=jnp.bfloat16)
+  config = _layer_config(wire_format="fp8_blockwise", expert_precision="fp8", dtype=jnp.bfloat16)
   mesh = _mesh((2, 4))
   with moe.make_workspace(config, mesh, test_moe.TOKENS, training=True) as ws:
     got, want = _layer_run(config, mesh, ws)
@@ -295,7 +296,7 @@ def _trace_two_level(mesh, **kw):
   args = dict(num_experts=16, node_axis="node", local_axis="local")
   args.update(kw)
   x, ids, w = _inputs(0, 16)
-  body = lambda x, ids, w: a2a.dispatch_two_level(x, ids, w, **args)[0].recv_x
+  body = lambda x, ids, w: dispatch_two_level(x, ids, w, **args)[0].recv_x
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES))).trace(x, ids, w)
 
 
@@ -320,21 +321,21 @@ def test_dispatch_two_level_refuses_a_workspace_over_another_axis():
 def test_the_wire_in_two_levels_needs_an_axis_pair():
   with pytest.raises(ValueError, match=r"with two_level, axis_name must be the pair \(node axis, local axis\), got "
                                        r"'local'"):
-    a2a.wire_dispatch(jnp.zeros((4, HIDDEN)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2)), wire_format="bf16",
+    wire_dispatch(jnp.zeros((4, HIDDEN)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2)), wire_format="bf16",
                       num_experts=8, axis_name="local", two_level=True)
 
 
 def test_combine_two_level_needs_its_handle():
   with pytest.raises(ValueError, match=r"handle must be the TwoLevelHandle returned by dispatch_two_level, got "
                                        r"DispatchHandle"):
-    a2a.combine_two_level(jnp.zeros((2, 4, 8)), a2a.DispatchHandle(
+    combine_two_level(jnp.zeros((2, 4, 8)), a2a.DispatchHandle(
         send_slot=jnp.zeros((4, 2), jnp.int32), recv_counts=jnp.zeros((2,), jnp.int32), axis_name="x",
         num_ranks=2, num_experts=2))
 
 
 def test_a_workspace_over_devices_that_cannot_map_each_other_is_refused(monkeypatch):
   """A group whose devices sit in two memory domains (hosts, for GPUs) fails at creation, naming the devices."""
-  monkeypatch.setattr(workspace_lib, "_memory_domain", lambda d: ("host", f"h{d.id // 4}"))
+  monkeypatch.setattr("jax_moe_a2a.workspace._memory_domain", lambda d: ("host", f"h{d.id // 4}"))
   mesh = _mesh((2, 4))
   with pytest.raises(ValueError, match=r"Workspace: the devices of an expert group must be able to map each "
                                        r"other's memory .* device 0 on host h0, .* device 4 on host h1, .* "
@@ -361,7 +362,7 @@ def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
   against the flat layer)."""
   n = len(jax.devices())
   mesh = Mesh(np.asarray(jax.devices()).reshape(1, n), AXES)
-  base = dict(num_experts=32 * n, top_k=8, hidden=2048, ffn=1024, wire_format="fp8_blockwise", gemm_impl="ffi",
+  base = dict(num_experts=32 * n, top_k=8, hidden=2048, ffn=1024, wire_format="fp8_blockwise", expert_precision="fp8",
               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, expert_axis=AXES, token_axes=AXES)
   two, flat = moe.MoEConfig(**base, two_level=True), moe.MoEConfig(**base, two_level=False)
   tokens = 4096 * n
