@@ -167,8 +167,9 @@ def test_linen_workspace_on_uses_the_one_sided_calls(monkeypatch):
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_functions_jitted_before_close_workspaces_make_new_workspaces(monkeypatch):
-  """A function jitted (nnx.jit, jax.jit closing over the layer) before close_workspaces runs again after it, on a
-  new workspace of the layer, with the same result: the compiled one held the closed workspace's id."""
+  """A function jitted (nnx.jit, jax.jit closing over the layer, the one the layer runs outside jit) before
+  close_workspaces runs again after it, on a new workspace of the layer, with the same result: the compiled one held
+  the closed workspace's id."""
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
   config, mesh, x = _setup()
   flax_moe.close_workspaces()
@@ -178,11 +179,11 @@ def test_functions_jitted_before_close_workspaces_make_new_workspaces(monkeypatc
   by_nnx = nnx.jit(lambda layer, x: layer(x)[0])
   by_jax = jax.jit(lambda x: layer(x)[0])
   by_linen = jax.jit(lambda v, x: linen.apply(v, x)[0])
-  want = [by_nnx(layer, x), by_jax(x), by_linen(variables, x)]
+  want = [by_nnx(layer, x), by_jax(x), by_linen(variables, x), layer(x)[0]]  # the last: jitted inside the layer
   (old,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
   flax_moe.close_workspaces()
   try:
-    got = [np.asarray(y) for y in (by_nnx(layer, x), by_jax(x), by_linen(variables, x))]
+    got = [np.asarray(y) for y in (by_nnx(layer, x), by_jax(x), by_linen(variables, x), layer(x)[0])]
     (new,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
     assert old.closed and not new.closed
     new.check()
@@ -230,7 +231,7 @@ def test_layers_take_the_mesh_set_with_jax_set_mesh():
 
 
 def _has_tree_mode() -> bool:
-  return "graph" in inspect.signature(nnx.jit).parameters
+  return {"graph", "graph_updates"} <= set(inspect.signature(nnx.jit).parameters)
 
 
 def _nnx_calls(layer):
