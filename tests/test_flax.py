@@ -338,6 +338,33 @@ def test_fast_calls_return_no_parameter_and_plain_nnx_jit_returns_them_all():
   assert _output_bytes(graph_mode, layer, x) >= want + param_bytes  # (and 8 bytes per output for the tuple)
 
 
+@pytest.mark.gpu
+def test_gpu_fast_calls_take_the_one_sided_calls_with_moe_apply_bits(monkeypatch):
+  """On GPUs the layer's default workspace ("auto") puts the one-sided calls in every fast call (outside jit,
+  jit_apply, tree mode), each giving moe_apply's bits on that workspace."""
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
+  assert jax.default_backend() == "gpu"
+  n = jax.device_count()
+  mesh = jax.make_mesh((1, n), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  config = moe.MoEConfig(num_experts=8 * n, top_k=2, hidden=256, ffn=512)  # the README's quickstart: bf16
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 256), jnp.bfloat16),
+                     NamedSharding(mesh, P(config.token_axes, None)))
+  flax_moe.close_workspaces()
+  try:
+    layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+    apply, state = flax_moe.jit_apply(layer)
+    assert _one_sided_calls(lambda s, x: apply(s, x)[0], state, x) == 1
+    got = {name: call(x) for name, call in _nnx_calls(layer).items()}
+    (ws,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
+    y_ref, aux_ref = jax.jit(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=ws))(layer.params(), x)
+    ws.check()
+  finally:
+    flax_moe.close_workspaces()
+  for name, (y, aux) in got.items():
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(aux_ref["expert_load"]), err_msg=name)
+
+
 def test_bench_layer_runs_every_flax_variant(tmp_path):
   sys.path.insert(0, BENCH)
   try:
