@@ -144,7 +144,7 @@ def _oracle_loss(config: moe.MoEConfig):
   def forward(params, x):
     with jax.default_matmul_precision("highest"):
       xs = x.astype(f32)
-      topk_weights, topk_ids, aux = moe._route(params, xs, config, None)  # pylint: disable=protected-access
+      topk_weights, topk_ids, aux = moe._run_router(params, xs, config, None)  # pylint: disable=protected-access
       w_gu, w_dn = moe._expert_weights(params).dequantized(f32)  # pylint: disable=protected-access
       gates = jnp.zeros((xs.shape[0], config.num_experts), f32).at[
           jnp.arange(xs.shape[0])[:, None], topk_ids].add(topk_weights)
