@@ -1,7 +1,7 @@
 """jax_moe_a2a: expert-parallel Mixture-of-Experts for JAX on NVIDIA GPUs.
 
 One-sided NVLink dispatch/combine and FP8 block-scaled expert GEMMs as XLA FFI custom calls, each with a
-pure-JAX twin that is the CPU fallback and the test oracle.
+pure-JAX reference that is the CPU fallback and the test oracle.
 
 What a user calls, from the package itself::
 

@@ -391,12 +391,12 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
       float8_e8m0fnu for MXFP8, one per 32; float8_e4m3fn for NVFP4, one per 16), same sharding; opaque data.
     workspace: the `Workspace` of the one-sided custom call (created once, outside jit, for this mesh axis).
     impl: "ffi" (the one-sided custom call jax_moe_a2a_dispatch; needs `workspace`), "reference" (the pure-JAX
-      twin on `jax.lax.all_to_all`) or "auto" (ffi when a workspace is given and the extension has handlers for
+      reference on `jax.lax.all_to_all`) or "auto" (ffi when a workspace is given and the extension has handlers for
       the backend). The handle remembers the choice for `combine`. A call of no tokens needs no exchange and
-      takes the twin. With a workspace, the VJP returns x's row cotangents by the one-sided combine when the
+      takes the reference. With a workspace, the VJP returns x's row cotangents by the one-sided combine when the
       workspace's combine rows hold them exactly (``Workspace.fits_combine_rows``: same hidden, a multiple of 8, a
-      dtype that casts into combine_dtype exactly, e.g. bf16 rows into float32 ones), else by the twin's exchange;
-      the cotangents of x_sf and of the weights always take the twin's.
+      dtype that casts into combine_dtype exactly, e.g. bf16 rows into float32 ones), else by the reference exchange;
+      the cotangents of x_sf and of the weights always take the reference's.
 
   Returns:
     ``(result, handle)``: the `DispatchResult` this rank received (``[num_ranks, num_tokens, ...]`` per shard)
@@ -429,7 +429,7 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, num_
   use_ffi = one_sided.takes_one_sided("dispatch", impl, workspace)
   if use_ffi:
     workspace.check_dispatch(x, x_sf, top_k, num_ranks)
-    # No tokens (on every rank alike: shapes are static): nothing to move; the twin gives the empty results and
+    # No tokens (on every rank alike: shapes are static): nothing to move; the reference gives the empty results and
     # zero counts without a custom call (XLA does not lower one whose operands are all empty inside shard_map).
     use_ffi = num_tokens > 0
   st = _DispatchStatic(axis_name=axis_name, num_ranks=num_ranks, num_experts=int(num_experts),
@@ -457,7 +457,7 @@ def _combine_forward(st: _CombineStatic, expert_out, send_slot, recv_counts, top
   if st.workspace is not None:
     out = one_sided.combine_call(expert_out, send_slot, recv_counts, axis_name=st.axis_name, out_dtype=st.out_dtype,
                                  workspace=st.workspace)
-    # One element of the result: the VJP waits for it (the one-sided call as its `after` operand, the twin's exchange
+    # One element of the result: the VJP waits for it (the one-sided call as its `after` operand, the reference exchange
     # by `after`), so it starts after this call on every device rather than as soon as its cotangent is known.
     return out, (send_slot, topk_ids, out.reshape(-1)[:1])
   back = _exchange(expert_out, st.axis_name)
@@ -506,7 +506,7 @@ def combine(expert_out: jax.Array, handle: DispatchHandle, *, out_dtype: Any = N
   Differentiable in expert_out: the VJP dispatches ``ct_out[t]``, cast to expert_out's dtype, to every slot
   token t was sent to; padding rows get 0. With a workspace, that dispatch is the one-sided custom call (on the
   handle's ids) when a cotangent row fits the workspace's dispatch rows (``Workspace.fits_dispatch_rows``: e.g.
-  bf16 expert rows on a bf16 wire, or any rows on a workspace created with ``training=True``), else the twin's
+  bf16 expert rows on a bf16 wire, or any rows on a workspace created with ``training=True``), else the reference's
   exchange.
 
   Args:

@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                  help="compute dtype of the layer (default: bfloat16)")
   p.add_argument("--a2a", choices=("auto", "ffi", "reference"), default="auto",
-                 help="dispatch/combine: the one-sided custom calls (ffi), the all_to_all twin (reference), or ffi "
-                      "when the extension is built for this backend (auto, the default)")
+                 help="dispatch/combine: the one-sided custom calls (ffi), the pure-JAX reference on all_to_all "
+                      "(reference), or ffi when the extension is built for this backend (auto, the default)")
   p.add_argument("--expert-precision", choices=("dtype", "fp8"), default=None,
                  help="routed experts: in the compute dtype (default), or in FP8 on the block-scaled grouped GEMMs")
   p.add_argument("--gemm", choices=("dtype", "ffi", "reference"), default="dtype",
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
       print(f"demo: --a2a ffi: the one-sided calls' backward does not compile on XLA:CPU of jax {jax.__version__} "
             f"(use jax >= 0.12, or --a2a reference)", file=sys.stderr)
       return 2
-    print(f"  (jax {jax.__version__} on CPU: dispatch/combine on the twin exchange; the one-sided calls' backward "
+    print(f"  (jax {jax.__version__} on CPU: dispatch/combine on the reference exchange; the one-sided calls' backward "
           f"needs jax >= 0.12 there)")
     use_ffi = False
   workspace = moe.make_workspace(config, mesh, num_tokens, training=True) if use_ffi else None
@@ -293,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
   print(f"  wire         {args.wire}: {d.x_bytes_per_token} B x + {d.x_sf_bytes_per_token} B scales + "
         f"{d.topk_ids_bytes_per_token} B ids + {d.topk_weights_bytes_per_token} B weights = "
         f"{d.bytes_per_token} B per token")
-  print(f"  a2a          {'one-sided custom calls (jax_moe_a2a_dispatch/combine)' if use_ffi else 'pure-JAX twin on all_to_all'}")
+  exchange = "one-sided custom calls (jax_moe_a2a_dispatch/combine)" if use_ffi else "pure-JAX reference on all_to_all"
+  print(f"  a2a          {exchange}")
   print(f"  workspace    {ws.total_bytes / 2**20:.2f} MiB per rank ({ws.total_bytes} B: {num_ranks} sources x "
         f"capacity {routed_per_rank}, {ws.num_buffers} buffers)")
   print(f"  vs oracle    {'':<18} {'calc_diff':>10} {'max|err|/max|ref|':>18}   (limit calc_diff {limit:.0e})")

@@ -18,7 +18,7 @@ be captured in a CUDA graph. Empty groups are fine.
 
 Implementations (``impl=``): ``"ffi"`` is the custom call ``jax_moe_a2a_grouped_gemm_fp8`` -- on GPUs a
 CUTLASS SM90 warp-specialized grouped GEMM with blockwise scaling (TMA, wgmma, float32 promotion every 128 of
-K), on CPU a loop over the dequantized operands in float32; ``"reference"`` is the pure-JAX twin (dequantize,
+K), on CPU a loop over the dequantized operands in float32; ``"reference"`` is the pure-JAX reference (dequantize,
 float32 matmul at HIGHEST precision); ``"auto"`` picks as `jax_moe_a2a._ffi.resolve_impl` says. The
 implementations agree to float32 rounding of the accumulation (then one bfloat16 rounding), not bit for bit.
 
@@ -173,7 +173,7 @@ def _grouped_wgrad_reference(a: jax.Array, b: jax.Array, group_sizes: jax.Array)
 
 @jax.jit
 def grouped_gemm_fp8_reference(a, a_sf, b, b_sf, group_sizes):
-  """Pure-JAX twin of `grouped_gemm_fp8`: both operands dequantized to float32, multiplied at HIGHEST precision."""
+  """Pure-JAX reference of `grouped_gemm_fp8`: both operands dequantized to float32, multiplied at HIGHEST precision."""
   w = quant.dequantize_fp8_weight_reference(b, b_sf)  # [G, N, K]
   if a.ndim == 3:
     num_groups, rows, k = a.shape
@@ -291,7 +291,7 @@ def _bf16_scratch(num_groups: int, mode: int, f32_out: bool = False) -> jax.Shap
 
 @functools.partial(jax.jit, static_argnames=("b_layout",))
 def grouped_gemm_bf16_reference(a, b, group_sizes, *, b_layout):
-  """Pure-JAX twin of `grouped_gemm_bf16`: float32 products at HIGHEST precision, one bfloat16 rounding."""
+  """Pure-JAX reference of `grouped_gemm_bf16`: float32 products at HIGHEST precision, one bfloat16 rounding."""
   rhs = jnp.swapaxes(b, 1, 2) if b_layout == "nk" else b  # [G, K, N]
   y = grouped_matmul_reference(a, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
@@ -300,7 +300,7 @@ def grouped_gemm_bf16_reference(a, b, group_sizes, *, b_layout):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def grouped_gemm_bf16_wgrad_reference(a, b, group_sizes, *, out_dtype):
-  """Pure-JAX twin of `grouped_gemm_bf16_wgrad`: one float32 product per group over its rows."""
+  """Pure-JAX reference of `grouped_gemm_bf16_wgrad`: one float32 product per group over its rows."""
   return _grouped_wgrad_reference(a, b, group_sizes).astype(out_dtype)
 
 
@@ -312,7 +312,7 @@ def grouped_gemm_bf16(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, b_l
   after those of groups 0..g-1, sizes clamped to >= 0 and to the rows that are left; rows no group owns give 0.
   On GPUs the custom call ``jax_moe_a2a_grouped_gemm_bf16`` runs CUTLASS's SM90 warp-specialized grouped GEMM
   (TMA, wgmma, float32 accumulation) with the group sizes on the device; the "kn" layout is read in place
-  (no transposed copy of b). The twin is `grouped_matmul_reference` at HIGHEST precision (ragged_dot's product,
+  (no transposed copy of b). The reference is `grouped_matmul_reference` at HIGHEST precision (ragged_dot's product,
   each group kept apart).
 
   Args:
@@ -420,7 +420,7 @@ def _check_wgrad_fp8(op: str, a_t: Any, a_sf_t: Any, b_t: Any, b_sf_t: Any,
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def grouped_gemm_fp8_wgrad_reference(a_t, a_sf_t, b_t, b_sf_t, group_sizes, *, out_dtype=jnp.float32):
-  """Pure-JAX twin of `grouped_gemm_fp8_wgrad`: both operands dequantized, one float32 product per group over its
+  """Pure-JAX reference of `grouped_gemm_fp8_wgrad`: both operands dequantized, one float32 product per group over its
   padded token columns at HIGHEST precision (the other columns zeroed, so a non-finite value stays in its group)."""
   num_groups = group_sizes.shape[0]
   p = a_t.shape[1]
@@ -462,7 +462,7 @@ def grouped_gemm_fp8_wgrad(a_t: jax.Array, a_sf_t: jax.Array, b_t: jax.Array, b_
 
   Implementations: ``"ffi"`` is the custom call ``jax_moe_a2a_grouped_gemm_fp8_wgrad`` -- on GPUs CUTLASS's SM90
   pointer-array grouped GEMM with blockwise scaling (one scale per row of A and of B per 128-deep K block), on CPU
-  a float32 loop over the dequantized operands; ``"reference"`` is the twin (float32 at HIGHEST precision). They
+  a float32 loop over the dequantized operands; ``"reference"`` is the reference (float32 at HIGHEST precision). They
   agree to float32 rounding of the accumulation.
 
   Args:

@@ -745,7 +745,7 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       `jax.jit` and `jax.grad` (there its `AbstractMesh`: `resolve_mesh`).
     workspace: a `Workspace` for this mesh's expert axis (see `make_workspace`; a mesh of other devices, or
       of the same devices in another order, is refused: `Workspace.check_mesh`): dispatch and combine then run
-      as one-sided custom calls. None: the twin throughout. Under an `AbstractMesh` (the mesh of ``jax.set_mesh``
+      as one-sided custom calls. None: the reference throughout. Under an `AbstractMesh` (the mesh of ``jax.set_mesh``
       while tracing) the workspace's mesh must have its axis names and sizes, and gives the devices where the layer
       needs them (`uses_two_level`); its devices are checked against the mesh's when the calls are lowered.
     expert_precision: when given, replaces `config.expert_precision` (e.g. "fp8": the routed experts on the FP8

@@ -4,7 +4,7 @@ The expert stage expands the received rows into expert order (`scatter_rows`: ea
 `gather_rows` by index where a row is read once per position) and brings the expert outputs back, weighted and
 summed over each token's k assignments (`sum_rows`); their backward passes are the same operations the other way
 round. Each is the custom call ``jax_moe_a2a_<op>`` (a loop on CPU; on GPUs one warp per row, or per 256-value
-segment of one, with wide loads) or its pure-JAX twin, with the same bits.
+segment of one, with wide loads) or its pure-JAX reference, with the same bits.
 
 Indices outside the source rows select nothing: `gather_rows` gives a zero row, and `sum_rows` adds +0 without
 reading a source row (a NaN in a row that is not selected reaches no output).
@@ -21,7 +21,8 @@ import numpy as np
 from jax_moe_a2a import _ffi
 
 _FLOAT_ROWS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_CALL_ROWS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # the custom calls' float rows; float16 takes the twin
+# The custom calls' float rows; float16 takes the reference.
+_CALL_ROWS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def _check_index(op: str, name: str, idx: jax.Array, ndim: int) -> jax.Array:
@@ -38,7 +39,7 @@ def _float_row_dtype(op: str, name: str, dtype: Any) -> Any:
 
 
 def _use_ffi(op: str, impl: str, dtypes_ok: bool, gpu_ok: bool, why: str) -> bool:
-  """Whether `op` takes its custom call: "auto" takes the twin for float16 rows (the handlers take bfloat16 and
+  """Whether `op` takes its custom call: "auto" takes the reference for float16 rows (the handlers take bfloat16 and
   float32) and for shapes the GPU kernel does not handle; "ffi" refuses them."""
   resolved = _ffi.resolve_impl(op, impl)
   if resolved != "ffi":
@@ -61,7 +62,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, scale: Optional[jax.Array] = No
     out_dtype: with a scale, bfloat16, float16 or float32 (default x's dtype); without one it must be x's dtype or
       None.
     impl: "auto", "ffi" or "reference". The custom call takes rows of any dtype and width without a scale, and
-      bfloat16 and float32 rows with one (on GPUs with H % 8 == 0); "auto" takes the twin otherwise.
+      bfloat16 and float32 rows with one (on GPUs with H % 8 == 0); "auto" takes the reference otherwise.
 
   Returns:
     [A, H] of out_dtype.
@@ -93,7 +94,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, scale: Optional[jax.Array] = No
 
 def gather_rows_reference(x: jax.Array, idx: jax.Array, *, scale: Optional[jax.Array] = None,
                           out_dtype: Any = None) -> jax.Array:
-  """The pure-JAX twin of `gather_rows` (no argument checks)."""
+  """The pure-JAX reference of `gather_rows` (no argument checks)."""
   valid = ((idx >= 0) & (idx < x.shape[0]))[:, None]
   rows = x[jnp.clip(idx, 0, max(x.shape[0] - 1, 0))] if x.shape[0] else jnp.zeros((idx.shape[0], x.shape[1]), x.dtype)
   if scale is None:
@@ -112,9 +113,9 @@ def scatter_rows(x: jax.Array, pos: jax.Array, *, impl: str = "auto") -> jax.Arr
   Args:
     x: [R, H] rows of any dtype.
     pos: [R, K] integer positions, a permutation of [0, R * K).
-    impl: "auto", "ffi" or "reference". The CPU handler and the twin refuse (the twin where pos is concrete) a pos
-      that is not a permutation; the GPU kernel does not check it (a row named twice gets one of its values, a
-      row named by none is not written).
+    impl: "auto", "ffi" or "reference". The CPU handler and the reference refuse (the reference where pos is
+      concrete) a pos that is not a permutation; the GPU kernel does not check it (a row named twice gets one of
+      its values, a row named by none is not written).
 
   Returns:
     [R * K, H] of x's dtype.
@@ -131,7 +132,7 @@ def scatter_rows(x: jax.Array, pos: jax.Array, *, impl: str = "auto") -> jax.Arr
 
 
 def scatter_rows_reference(x: jax.Array, pos: jax.Array) -> jax.Array:
-  """The pure-JAX twin of `scatter_rows`: a gather by the inverse permutation (no argument checks beyond a
+  """The pure-JAX reference of `scatter_rows`: a gather by the inverse permutation (no argument checks beyond a
   concrete pos being a permutation)."""
   num = pos.size
   flat = pos.reshape(-1)
@@ -162,7 +163,7 @@ def sum_rows(y: jax.Array, pos: jax.Array, weights: Optional[jax.Array] = None, 
     weights: None, or [R, K] float32.
     out_dtype: bfloat16, float16 or float32.
     impl: "auto", "ffi" or "reference". The custom call takes bfloat16 and float32 (y and out), and on GPUs
-      H % 8 == 0; "auto" takes the twin otherwise.
+      H % 8 == 0; "auto" takes the reference otherwise.
 
   Returns:
     [R, H] of out_dtype.
@@ -186,7 +187,7 @@ def sum_rows(y: jax.Array, pos: jax.Array, weights: Optional[jax.Array] = None, 
 
 def sum_rows_reference(y: jax.Array, pos: jax.Array, weights: Optional[jax.Array] = None, *,
                        out_dtype: Any = jnp.float32) -> jax.Array:
-  """The pure-JAX twin of `sum_rows` (no argument checks)."""
+  """The pure-JAX reference of `sum_rows` (no argument checks)."""
   num = y.shape[0]
   out = jnp.zeros((pos.shape[0], y.shape[1]), jnp.float32)
   for j in range(pos.shape[1]):

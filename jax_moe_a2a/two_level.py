@@ -20,7 +20,7 @@ class TwoLevelHandle:
   """The routing of one `dispatch_two_level`, consumed by `combine_two_level`; a pytree.
 
   Attributes:
-    node: the `DispatchHandle` of the exchange between nodes (over the node axis, the twin's `all_to_all`).
+    node: the `DispatchHandle` of the exchange between nodes (over the node axis, the reference `all_to_all`).
     local: the `DispatchHandle` of the dispatch inside the node (over the local axis; one-sided with a workspace).
   """
 
@@ -46,12 +46,12 @@ def dispatch_two_level(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
   of them. Two dispatches, each with the contract of `dispatch`:
 
   1. **Between nodes**: `dispatch` over node_axis with ``num_experts`` (node n as the "rank" of experts
-     ``[n * G * L, (n + 1) * G * L)``), on the twin (`jax.lax.all_to_all`: NCCL on GPUs). A token crosses to
+     ``[n * G * L, (n + 1) * G * L)``), on the reference (`jax.lax.all_to_all`: NCCL on GPUs). A token crosses to
      node n at most once, to the GPU with its own local index, with its ids as node-local ids (``id - n * G * L``,
      `INVALID_EXPERT` for experts on other nodes) and its weights for those experts. Capacity: T per node pair.
   2. **Inside the node**: the ``N * T`` rows received (``[N, T]`` flattened, padding rows routing nowhere) are
      the tokens of `dispatch` over local_axis with ``G * L`` experts: one-sided with a workspace (created over
-     local_axis for ``capacity >= N * T``), else the twin. A row goes to each GPU of the node once.
+     local_axis for ``capacity >= N * T``), else the reference. A row goes to each GPU of the node once.
 
   Each (token, expert) assignment therefore arrives at the rank `dispatch` over the flat axis sends it to, with
   the same row bits, local id and weight, in a different slot: received ``[s, j]`` is local source GPU s's slot
@@ -104,7 +104,7 @@ def combine_two_level(expert_out: jax.Array, handle: TwoLevelHandle, *, out_dtyp
   """`combine` of a `dispatch_two_level`: inside the node first, then across nodes.
 
   Contract: the inner `combine` (one-sided with the handle's workspace) gives each node-received row its float32
-  partial sum ``p[n]`` over the node's GPUs in ascending order; the partials cross back between nodes (the twin,
+  partial sum ``p[n]`` over the node's GPUs in ascending order; the partials cross back between nodes (the reference,
   float32 rows) and token t gets ``out[t] = ((-0.0 + p[n0]) + p[n1]) + ...`` over the nodes ``n0 < n1 < ...`` it
   was sent to, in float32, cast to out_dtype. Against `combine` over the flat axis this only regroups the same
   float32 additions by node: bit for bit the same where a token's experts of each node sit on one GPU (a single

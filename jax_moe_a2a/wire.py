@@ -121,7 +121,7 @@ def wire_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
     axis_name: the expert mesh axis (or tuple of axes); with two_level, the pair (node axis, local axis).
     dtype: dtype of the decoded rows.
     impl: passed to the quantization ops and to `a2a.dispatch`.
-    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all twin); with two_level, one
+    workspace: the `Workspace` of the one-sided custom calls (None: the all_to_all reference); with two_level, one
       over the local axis.
     two_level: dispatch with `dispatch_two_level` (across nodes, then inside each); the gradient then comes back
       inside the node first and crosses nodes once, in float32.

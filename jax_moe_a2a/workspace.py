@@ -73,7 +73,7 @@ def check_one_sided_backward(op: str) -> None:
   if jax.default_backend() == "cpu" and not cpu_compiles_one_sided_backward():
     raise RuntimeError(f"{op}: the backward pass through the one-sided calls does not compile on XLA:CPU of jax "
                        f"{jax.__version__} (it crashes the process); use jax >= 0.12, or on CPU no workspace (the "
-                       f"twin exchange: the same results)")
+                       f"reference exchange: the same results)")
 
 
 def describe_array(a: Any) -> str:
@@ -128,7 +128,7 @@ class Workspace:
     training: also give each received activation row room for the rows that combine's VJP dispatches
       (``hidden`` values of combine_dtype), so that VJP takes the one-sided call whatever the wire format; with
       an FP8 wire and bf16 rows this doubles the activation receive regions. Without it gradients still work:
-      combine's VJP takes the twin's exchange where its rows do not fit the wire's (`fits_dispatch_rows`).
+      combine's VJP takes the reference exchange where its rows do not fit the wire's (`fits_dispatch_rows`).
 
   Raises:
     TypeError: mesh is not a `jax.sharding.Mesh`.
@@ -398,7 +398,7 @@ class Workspace:
       raise ValueError(f"combine: out_dtype must be bfloat16 or float32 on the custom-call path, got {out_dtype}")
     self.id  # pylint: disable=pointless-statement
 
-  # Whether a VJP can take the one-sided calls (else it takes the twin)
+  # Whether a VJP can take the one-sided calls (else it takes the reference)
 
   def fits_combine_rows(self, rows: Optional[jax.Array]) -> bool:
     """Whether ``rows`` ([num_ranks, T, hidden], floating) can travel as this workspace's combine rows: T within

@@ -1,4 +1,4 @@
-"""The one-sided dispatch/combine custom calls against the pure-JAX twin: bit for bit, faults, life cycle.
+"""The one-sided dispatch/combine custom calls against the pure-JAX reference: bit for bit, faults, life cycle.
 
 On CPU the simulated devices meet at a process-wide meeting point per call; on a GPU machine (JAX_MOE_A2A_TEST_GPU=1) the
 same tests run over NVLink peer memory on every visible GPU.
@@ -98,7 +98,7 @@ def _assert_outputs_equal(got, want):
 
 @pytest.mark.parametrize("case", ["random", "invalid", "one_rank", "nobody_to_rank0"])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (7, 3), (33, 8)])
-def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
+def test_dispatch_combine_equal_the_reference_bf16(case, num_tokens, top_k):
   mesh = _mesh()
   num_ranks = mesh.shape[AXIS]
   if case == "nobody_to_rank0":
@@ -113,7 +113,7 @@ def test_dispatch_combine_equal_the_twin_bf16(case, num_tokens, top_k):
       assert int(np.asarray(got[4]).reshape(num_ranks, num_ranks)[0].sum()) == 0  # rank 0 received nothing
 
 
-def test_calls_of_zero_tokens_equal_the_twin():
+def test_calls_of_zero_tokens_equal_the_reference():
   """A shard of no tokens still returns counts (all zero) and an empty combine, on a workspace of larger capacity."""
   mesh = _mesh()
   num_experts = 2 * mesh.shape[AXIS]
@@ -129,7 +129,7 @@ def test_calls_of_zero_tokens_equal_the_twin():
 # 700 tokens of 8 KiB rows (4 pieces) give an H200's sender blocks 10-11 tokens each: items of two pieces.
 @pytest.mark.parametrize("case,num_tokens,hidden", [(case, n, 64) for case in ("random", "invalid", "nobody_to_rank0")
                                                     for n in (513, 2731)] + [("random", 700, 4096)])
-def test_large_dispatch_combine_equal_the_twin(case, num_tokens, hidden):
+def test_large_dispatch_combine_equal_the_reference(case, num_tokens, hidden):
   mesh = _mesh()
   if case == "nobody_to_rank0":
     _need_two_ranks(mesh)
@@ -152,7 +152,7 @@ def test_large_dispatch_combine_equal_the_twin(case, num_tokens, hidden):
 @pytest.mark.parametrize("fmt,hidden,mx_alignment", [("mxfp8", 224, None), ("mxfp8", 96, 128), ("nvfp4", 48, None),
                                                      ("nvfp4", 7168, None)])
 @pytest.mark.parametrize("num_tokens", [8, 70])
-def test_mxfp8_and_nvfp4_payloads_equal_the_twin(fmt, hidden, mx_alignment, num_tokens):
+def test_mxfp8_and_nvfp4_payloads_equal_the_reference(fmt, hidden, mx_alignment, num_tokens):
   mesh = _mesh()
   num_ranks, top_k = mesh.shape[AXIS], 4
   num_experts = 4 * num_ranks
@@ -221,7 +221,7 @@ def test_small_calls_in_ll_form_and_larger_ones_in_pieces_share_a_workspace(fmt,
 
 def test_rows_other_than_the_wire_s_fit_a_training_workspace():
   """A workspace made for training (FP8 wire, float32 combine rows) has room for rows of hidden float32 values: such
-  rows, the wire's own, and rows that cannot take the LL form (13 bytes) all equal the twin, in LL form (3 tokens)
+  rows, the wire's own, and rows that cannot take the LL form (13 bytes) all equal the reference, in LL form (3 tokens)
   and in pieces; without that room the wide rows are an error naming the sizes."""
   mesh = _mesh()
   num_ranks, hidden, top_k = mesh.shape[AXIS], 256, 4
@@ -306,7 +306,7 @@ def test_many_back_to_back_calls_stay_exact():
 def test_independent_calls_of_equal_shapes_pair_up_by_call():
   """Four dispatches and four combines of equal shapes on one workspace, with no data path between them, their
   inputs delayed on each rank in another order (a loop of matmuls on call (i + rank) % 4's): each call meets its own
-  counterparts on every rank, whatever order a device runs them in, and equals the twin."""
+  counterparts on every rank, whatever order a device runs them in, and equals the reference."""
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k, calls = mesh.shape[AXIS], 5, 16, 2, 4
   num_experts = 2 * num_ranks
@@ -341,12 +341,12 @@ def test_independent_calls_of_equal_shapes_pair_up_by_call():
 
 
 # bf16 expert rows on a bf16 wire: combine's VJP is a one-sided dispatch of the output cotangent (on the handle's
-# ids); float32 expert rows (4 bytes a value) do not fit the bf16 wire and take the twin's exchange, unless the
+# ids); float32 expert rows (4 bytes a value) do not fit the bf16 wire and take the reference exchange, unless the
 # workspace was made for training (rows with room for them). Dispatch's VJP returns the rows' cotangents by a
 # one-sided combine (bf16 rows cast exactly into either combine dtype); the weights' always by the exchange.
 @pytest.mark.parametrize("combine_dtype,training,one_sided_combine_vjp",
                          [(jnp.bfloat16, False, True), (jnp.float32, False, False), (jnp.float32, True, True)])
-def test_gradients_match_the_twin(combine_dtype, training, one_sided_combine_vjp):
+def test_gradients_match_the_reference(combine_dtype, training, one_sided_combine_vjp):
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 6, 16, 3
   num_experts = 2 * num_ranks
@@ -471,7 +471,7 @@ def test_a_peer_calling_with_other_shapes_is_an_error_naming_it():
 
 
 def test_close_waits_for_calls_already_dispatched():
-  """Closing right after an asynchronous call waits for it; its results stay valid and equal the twin's."""
+  """Closing right after an asynchronous call waits for it; its results stay valid and equal the reference's."""
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 9, 64, 2
   num_experts = 2 * num_ranks
@@ -542,7 +542,7 @@ def test_gpu_uses_peer_memory_on_every_gpu():
 def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
   """XLA's command buffers capture the handlers' launches into CUDA graphs and replay them (the epochs live in
   device memory, so a replay needs no host work): the profile shows graph launches, every kernel of every call,
-  and the results still equal the twin's bit for bit."""
+  and the results still equal the reference's bit for bit."""
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k, calls, runs = mesh.shape[AXIS], 64, 1024, 4, 4, 3
   num_experts = 16 * num_ranks
@@ -580,10 +580,10 @@ def test_gpu_calls_replay_from_cuda_graphs(tmp_path):
 @pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
 @pytest.mark.parametrize("combine_dtype,x_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32),
                                                    (jnp.float32, jnp.bfloat16)])
-def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype, x_dtype):
+def test_wire_dispatch_vjp_with_a_workspace_equals_the_reference(wire, combine_dtype, x_dtype):
   """wire.wire_dispatch's VJP with a workspace (float32 rows: the one-sided combine; else the reference exchange)
-  gives the twin's cotangents bit for bit, for the same cotangents of every output; for bfloat16 x the one-sided
-  combine writes bfloat16, one rounding of the float32 sums as the twin's cast."""
+  gives the reference's cotangents bit for bit, for the same cotangents of every output; for bfloat16 x the one-sided
+  combine writes bfloat16, one rounding of the float32 sums as the reference's cast."""
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 16, 256, 3
   num_experts = 4 * num_ranks
@@ -617,11 +617,11 @@ def test_wire_dispatch_vjp_with_a_workspace_equals_the_twin(wire, combine_dtype,
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp8_blockwise"])
-def test_moe_apply_with_a_workspace_equals_the_twin(wire):
-  """The MoE layer on the one-sided custom calls gives the twin's output and gradients (the twin is itself checked
-  against the dense oracle in test_moe.py), with one expert group per data index, within float32 rounding: XLA
-  compiles the two programs' expert matmuls and the weighted sum's fusions apart, one ulp apart at most seen
-  (the exchanges themselves are bit-exact: test_wire_dispatch_vjp_with_a_workspace_equals_the_twin)."""
+def test_moe_apply_with_a_workspace_equals_the_reference(wire):
+  """The MoE layer on the one-sided custom calls gives the reference's output and gradients (the reference is
+  itself checked against the dense oracle in test_moe.py), with one expert group per data index, within float32
+  rounding: XLA compiles the two programs' expert matmuls and the weighted sum's fusions apart, one ulp apart at most
+  seen (the exchanges themselves are bit-exact: test_wire_dispatch_vjp_with_a_workspace_equals_the_reference)."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
   data = 2 if n >= 4 else 1
@@ -631,7 +631,7 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
   params = moe.init_params(jax.random.key(0), cfg, mesh)
   x = jax.random.normal(jax.random.key(1), (8 * n, 256), jnp.float32)
   x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-  # The two paths named: one-sided calls (and the quantization custom calls) against the twin everywhere.
+  # The two paths named: one-sided calls (and the quantization custom calls) against the reference everywhere.
   configs = {"ffi": dataclasses.replace(cfg, impl="ffi"), "reference": dataclasses.replace(cfg, impl="reference")}
   apply = lambda x, ws, impl: moe.moe_apply(params, x, configs[impl], mesh, workspace=ws)[0]
   loss = lambda x, ws, impl: jnp.sum(apply(x, ws, impl) ** 2)
@@ -647,15 +647,15 @@ def test_moe_apply_with_a_workspace_equals_the_twin(wire):
 
 
 @pytest.mark.parametrize("wire_format,training", [("bf16", False), ("fp8_blockwise", True)])
-def test_moe_training_gradients_with_a_workspace_equal_the_twin(wire_format, training, monkeypatch):
+def test_moe_training_gradients_with_a_workspace_equal_the_reference(wire_format, training, monkeypatch):
   """A training step of the layer (bf16 rows, a shared expert, one expert group per data index): the gradients of
-  every parameter and of x equal the twin's bit for bit on CPU. Combine's VJP is a one-sided dispatch here (its
+  every parameter and of x equal the reference's bit for bit on CPU. Combine's VJP is a one-sided dispatch here (its
   bf16 rows fit a bf16 wire's rows, and an FP8 wire's with room for training), and the wire's VJP a one-sided
   combine after it. Its cotangent is known from the start, so without its `after` operand (the forward combine's
   result) XLA:CPU could start it on some devices while others wait in the data axis's all-reduce: every device
   would wait for another."""
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
-  # Bit for bit needs the same expert GEMMs on both sides: the twin's "auto" must resolve as impl="ffi" does.
+  # Bit for bit needs the same expert GEMMs on both sides: the reference's "auto" must resolve as impl="ffi" does.
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
   n = len(jax.devices())
   data = 2 if n >= 4 else 1

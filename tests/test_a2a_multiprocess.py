@@ -1,5 +1,6 @@
 """One process per GPU (jax.distributed): the one-sided dispatch/combine maps its peers' memory through CUDA IPC
-handles exchanged in JAX's key-value store, and still equals the twin bit for bit (tests/multiprocess_worker.py)."""
+handles exchanged in JAX's key-value store, and still equals the reference bit for bit
+(tests/multiprocess_worker.py)."""
 
 import jax
 import pytest
@@ -9,7 +10,7 @@ from jax_moe_a2a import _ffi
 
 
 @pytest.mark.gpu
-def test_one_process_per_gpu_equals_the_twin():
+def test_one_process_per_gpu_equals_the_reference():
   if not _ffi.with_cuda():
     pytest.skip("extension built without CUDA")
   num_processes = len(jax.devices())

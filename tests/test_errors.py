@@ -201,7 +201,7 @@ def _bench(name):
 # Each argv would run (and fail or mislead) without its check; tiny sizes and --out keep such a run short.
 @pytest.mark.parametrize("script,argv,message", [
     ("bench_a2a", ["--chain", "0", "--tokens", "1", "--hidden", "128", "--experts", "8", "--formats", "bf16",
-                   "--impls", "twin", "--runs", "1"], "argument --chain: must be an int >= 1, got '0'"),
+                   "--impls", "reference", "--runs", "1"], "argument --chain: must be an int >= 1, got '0'"),
     ("bench_gemm", ["--shapes", "256x", "--groups", "1", "--rows", "8", "--methods", "bf16_einsum"],
      "argument --shapes: must be NxK with positive ints N and K (e.g. 4096x7168), got '256x'"),
     ("bench_quant", ["--k", "100", "--m", "8", "--calls", "1", "--runs", "1"],

@@ -234,8 +234,8 @@ def _dense_jax_oracle(x, ids, w, w_gu, w_dn):
                                                  (jnp.bfloat16, "reference")])
 def test_expert_stage_gradients_match_dense_autodiff(compute_dtype, impl):
   """Gradients of rows, routing weights and expert weights through the permutation's gather-only VJPs and the
-  grouped MLP (float32: tiled twin; bfloat16: the bf16 grouped GEMMs, custom call or twin) against plain autodiff
-  of a dense float32 oracle. Tolerance: float32 1e-5 max relative; bfloat16 calc_diff 5e-4 (bf16 operands)."""
+  grouped MLP (float32: tiled reference; bfloat16: the bf16 grouped GEMMs, custom call or reference) against plain
+  autodiff of a dense float32 oracle. Tolerance: float32 1e-5 max relative; bfloat16 calc_diff 5e-4 (bf16 operands)."""
   from jax_moe_a2a import _ffi  # pylint: disable=import-outside-toplevel
   if impl == "ffi" and not _ffi.available():
     pytest.skip("compiled extension not built")

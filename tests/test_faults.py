@@ -8,12 +8,12 @@
   training steps, each run in a subprocess under a time limit (a deadlock ends in XLA aborting the process).
 - A NaN or an infinity in one expert's rows, weights or cotangents, or in rows no expert owns, changes no other
   expert's outputs, row gradients or weight gradients, on every path of the expert MLP (the tiled and ragged_dot
-  twins, the bf16 and FP8 MLPs on both implementations) and in every grouped GEMM.
-- Group sizes whose running total passes int32 clamp in the twins as in the custom calls; group sizes given as a
+  references, the bf16 and FP8 MLPs on both implementations) and in every grouped GEMM.
+- Group sizes whose running total passes int32 clamp in the references as in the custom calls; group sizes given as a
   list of ints are taken, other values refused by name.
 - quantize_nvfp4 refuses a concrete global scale that is zero, negative or not finite.
 - FP8 round trips (blockwise, MXFP8, weights) of values near the float32 and bfloat16 maximum stay finite, the
-  custom call equal to the twin bit for bit.
+  custom call equal to the reference bit for bit.
 - The handlers check their attributes before any arithmetic on them: reached directly with num_ranks=0, dispatch
   returns an error instead of killing the process (run in a subprocess, so a crash fails the cases).
 """
@@ -78,7 +78,7 @@ def _workspace(mesh, axis="ep"):
 @pytest.mark.parametrize("case", ["reversed_1x8", "transposed_2x4", "ranks_swapped_2x4"])
 def test_a_mesh_ordering_the_devices_otherwise_is_refused_naming_both_orders(case):
   """Without the check, each of these calls runs without an error, and the rows, ids and counts it receives differ
-  from the twin's."""
+  from the reference's."""
   devs = np.array(devices(8))
   if case == "reversed_1x8":
     ws_mesh, call_mesh = Mesh(devs, ("ep",)), Mesh(devs[::-1], ("ep",))
@@ -98,9 +98,9 @@ def test_a_mesh_ordering_the_devices_otherwise_is_refused_naming_both_orders(cas
     ws.check()  # nothing ran
 
 
-def test_a_mesh_with_the_workspace_s_groups_and_ranks_equals_the_twin():
+def test_a_mesh_with_the_workspace_s_groups_and_ranks_equals_the_reference():
   """Another Mesh object, the data axis reversed and renamed: the same groups with the same ranks, so the calls run
-  and equal the twin bit for bit."""
+  and equal the reference bit for bit."""
   devs = np.array(devices(8))
   ws_mesh = Mesh(devs.reshape(2, 4), ("data", "ep"))
   call_mesh = Mesh(devs.reshape(2, 4)[::-1], ("batch", "ep"))
@@ -246,7 +246,7 @@ def _moe_step_hlo(mesh_shape, dtype, wire="bf16", training=False, shared=0):
 
 
 _ORDER_CASES = {  # mesh, compute dtype, wire, training, shared experts; one-sided calls in the program
-    "1x8_float32": (((1, 8), jnp.float32, "bf16", False, 0), 3),  # issue 22's; combine's VJP on the twin
+    "1x8_float32": (((1, 8), jnp.float32, "bf16", False, 0), 3),  # issue 22's; combine's VJP on the reference
     "2x4_bf16_shared": (((2, 4), jnp.bfloat16, "bf16", False, 1), 4),
     "2x4_float32_fp8_wire_training": (((2, 4), jnp.float32, "fp8_blockwise", True, 0), 4),
     "sequence_parallel_1x2x4_bf16": (((1, 2, 4), jnp.bfloat16, "bf16", False, 1), 4),
@@ -267,7 +267,7 @@ def test_every_collective_of_a_training_step_is_ordered_with_every_one_sided_cal
 def test_the_dispatch_vjp_s_exchanges_are_ordered_with_its_one_sided_combine():
   """a2a.dispatch differentiated directly, FP8 rows with scales: the rows' cotangents go back one-sided, the scales'
   and the weights' by all_to_all, after them by data; combine's VJP (float32 rows, too wide for the FP8 wire) takes
-  the twin's exchange, after the forward combine by data."""
+  the reference exchange, after the forward combine by data."""
   mesh = Mesh(np.array(devices(8)), ("ep",))
   num_tokens, hidden, top_k, num_experts = 8, 128, 2, 16
   ws = a2a.Workspace(mesh, expert_axis="ep", capacity=num_tokens, hidden=hidden, top_k=top_k, fmt="fp8_blockwise",
@@ -399,7 +399,7 @@ def test_a_nan_in_one_expert_changes_no_other_expert_s_outputs_or_gradients(path
   """NaN and inf in one expert's rows (and their cotangents), in its weights, or in rows no expert owns: every other
   expert's outputs, row gradients and weight gradients keep their bits, and unowned rows give 0. Without the fixes the
   tiled backward ran a group's last tile into the next group's rows (0 * NaN reached its weight gradients), and
-  jax.lax.ragged_dot (the twins of the grouped GEMMs) spread a NaN in one group's weights to every row."""
+  jax.lax.ragged_dot (the references of the grouped GEMMs) spread a NaN in one group's weights to every row."""
   masked = "masked" in path
   sizes, rows = _NAN_SIZES, _NAN_ROWS
   if masked:  # 4 rows per group: owner of row (g, r) is g for r < sizes[g]
@@ -506,7 +506,7 @@ def _gemm_operands(num_groups=3, rows=8):
 @pytest.mark.parametrize("sizes", [[2**31 - 1, 1, 1], [5, 2**31 - 1, 2**31 - 1], [-4, 2**31 - 2, 3]],
                          ids=["first_huge", "two_huge", "negative_then_huge"])
 def test_group_sizes_whose_running_total_passes_int32_clamp_as_the_custom_call_does(sizes):
-  """The twin's int32 cumulative sum wrapped: with sizes [2**31 - 1, 1, 1] groups 1 and 2 came out starting at a
+  """The reference's int32 cumulative sum wrapped: with sizes [2**31 - 1, 1, 1] groups 1 and 2 came out starting at a
   negative row and took rows the custom call gives to group 0 alone."""
   fp8, (a, b) = _gemm_operands()
   gs = jnp.asarray(sizes, jnp.int32)
@@ -623,7 +623,7 @@ def test_values_near_the_maximum_stay_finite_after_an_fp8_round_trip(fmt, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_the_custom_call_quantizes_values_near_the_maximum_as_the_twin_does(dtype):
+def test_the_custom_call_quantizes_values_near_the_maximum_as_the_reference_does(dtype):
   x = _near_max(jnp.dtype(dtype))
   got, want = (quant.quantize_fp8_blockwise(x, impl=i) for i in ("ffi", "reference"))
   for g, w in zip(got, want):

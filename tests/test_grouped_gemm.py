@@ -80,8 +80,8 @@ def _grads(impl, x, sizes, weights, ct):
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
-def test_gradients_of_the_custom_calls_equal_the_twin_s():
-  """The custom calls against the twin (different grouped GEMMs): equal to float32 rounding of their sums and one
+def test_gradients_of_the_custom_calls_equal_the_reference_s():
+  """The custom calls against the reference (different grouped GEMMs): equal to float32 rounding of their sums and one
   bfloat16 rounding of each intermediate."""
   x, sizes, weights = _data(3)
   ct = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)

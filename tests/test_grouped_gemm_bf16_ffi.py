@@ -1,4 +1,4 @@
-"""The bf16 grouped GEMM custom call in its three modes (and its twin) against float64 NumPy products.
+"""The bf16 grouped GEMM custom call in its three modes (and its reference) against float64 NumPy products.
 
 On CPU this runs the CPU handler; with JAX_MOE_A2A_TEST_GPU=1 on a GPU, the CUTLASS kernels. Both
 implementations are compared with an oracle that shares no code with them (NumPy, per group), and with each
@@ -96,7 +96,7 @@ def test_grouped_gemm_bf16_wgrad(impl, sizes, out_dtype):
       np.testing.assert_array_equal(got[g], 0)
 
 
-def test_ffi_and_twin_are_different_paths_that_agree():
+def test_ffi_and_reference_are_different_paths_that_agree():
   """The two implementations lower to different programs (a custom call, a ragged_dot) and agree closely."""
   rng = np.random.default_rng(5)
   a, b = _bf16(rng, (257, 64)), _bf16(rng, (6, 96, 64))

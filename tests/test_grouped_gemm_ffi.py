@@ -1,4 +1,4 @@
-"""The FP8 grouped GEMM custom call (and its twin) against an FP32 GEMM of the dequantized operands.
+"""The FP8 grouped GEMM custom call (and its reference) against an FP32 GEMM of the dequantized operands.
 
 On CPU this runs the CPU handler; with JAX_MOE_A2A_TEST_GPU=1 on a GPU, the CUTLASS kernel. Tolerance:
 calc_diff < 1e-3 (issue #5); the measured values are ~1e-6, the bfloat16 rounding of the output.
@@ -89,7 +89,7 @@ def test_negative_sizes_are_empty(impl):
   _check(a, a_sf, b, b_sf, jnp.asarray([-5, 40, 10], jnp.int32), impl)
 
 
-def test_ffi_equals_twin_closely():
+def test_ffi_equals_reference_closely():
   """Same inputs through both implementations: they differ only in float32 summation order."""
   rng = np.random.default_rng(5)
   a, a_sf, b, b_sf = _operands(rng, (257,), 6, 384, 512)

@@ -1,4 +1,4 @@
-"""The expert stage's row movement (jax_moe_a2a.rows): the custom calls equal their twins bit for bit, indices
+"""The expert stage's row movement (jax_moe_a2a.rows): the custom calls equal their references bit for bit, indices
 outside the source rows select nothing, and a NaN in a row no output selects reaches no output."""
 
 import numpy as np
@@ -27,7 +27,7 @@ def _indices(rng, n, num_rows, invalid=True):
 @needs_ext
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int32])
 @pytest.mark.parametrize("num_rows,hidden,n", [(7, 64, 20), (1, 8, 3), (33, 136, 50)])
-def test_gather_rows_equals_the_twin(dtype, num_rows, hidden, n):
+def test_gather_rows_equals_the_reference(dtype, num_rows, hidden, n):
   rng = np.random.default_rng(num_rows * hidden)
   x = jnp.asarray(rng.standard_normal((num_rows, hidden)) * 4).astype(dtype)
   idx = _indices(rng, n, num_rows)
@@ -45,7 +45,7 @@ def _permutation_positions(rng, num_rows, k):
 @needs_ext
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int32])
 @pytest.mark.parametrize("num_rows,hidden,k", [(7, 64, 3), (1, 3, 2), (40, 7168, 8), (5, 136, 1), (2300, 520, 2)])
-def test_scatter_rows_equals_the_twin_and_the_gather_by_the_inverse(dtype, num_rows, hidden, k):
+def test_scatter_rows_equals_the_reference_and_the_gather_by_the_inverse(dtype, num_rows, hidden, k):
   """Rows of 6 bytes to 14 KiB (the GPU kernel's narrow words and its segments of one word per lane), k = 1 to 8;
   2300 rows take the GPU kernel's segments of four words per lane (and a partial last segment)."""
   rng = np.random.default_rng(num_rows * hidden + k)
@@ -63,7 +63,7 @@ def test_scatter_rows_equals_the_twin_and_the_gather_by_the_inverse(dtype, num_r
 @pytest.mark.parametrize("bad", [[[0, 0], [1, 2]], [[0, 1], [2, 4]], [[0, 1], [2, -1]]])
 @pytest.mark.parametrize("impl", ["reference", "ffi"])
 def test_scatter_rows_refuses_positions_that_are_not_a_permutation(bad, impl):
-  """Named twice, out of range, negative: the twin refuses a concrete pos, the CPU handler any pos."""
+  """Named twice, out of range, negative: the reference refuses a concrete pos, the CPU handler any pos."""
   if impl == "ffi" and (not _ffi.available() or jax.default_backend() != "cpu"):
     pytest.skip("the CPU handler checks the permutation; the GPU kernel does not")
   x = jnp.arange(8, dtype=jnp.float32).reshape(2, 4)
@@ -75,7 +75,7 @@ def test_scatter_rows_refuses_positions_that_are_not_a_permutation(bad, impl):
 @needs_ext
 @pytest.mark.parametrize("in_dtype,out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
                                                 (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)])
-def test_scaled_gather_rows_equals_the_twin(in_dtype, out_dtype):
+def test_scaled_gather_rows_equals_the_reference(in_dtype, out_dtype):
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((9, 48))).astype(in_dtype)
   idx = _indices(rng, 30, 9)
@@ -93,7 +93,7 @@ def test_scaled_gather_rows_equals_the_twin(in_dtype, out_dtype):
 @pytest.mark.parametrize("in_dtype,out_dtype", [(jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
                                                 (jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16)])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_sum_rows_equals_the_twin(in_dtype, out_dtype, weighted):
+def test_sum_rows_equals_the_reference(in_dtype, out_dtype, weighted):
   rng = np.random.default_rng(2)
   num_rows, k, hidden = 40, 5, 72
   y = jnp.asarray(rng.standard_normal((num_rows, hidden))).astype(in_dtype)
@@ -142,15 +142,15 @@ def test_arguments_are_checked():
   if _ffi.available():
     with pytest.raises(ValueError, match=r"sum_rows: impl='ffi' needs bfloat16 or float32 rows"):
       rows.sum_rows(y.astype(jnp.float16), jnp.zeros((2, 2), jnp.int32), impl="ffi")
-  # float16 rows take the twin under "auto"
+  # float16 rows take the reference under "auto"
   np.testing.assert_array_equal(np.asarray(rows.sum_rows(y.astype(jnp.float16), jnp.zeros((2, 2), jnp.int32),
                                                          out_dtype=jnp.float16)), np.zeros((2, 8)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["expand", "expand_fp8", "unpermute", "scaled"])
-def test_deepseek_shapes_on_the_gpu_equal_the_twin(op):
-  """4096 tokens, top-8, hidden 7168: the layer's permute and un-permute, custom call against twin."""
+def test_deepseek_shapes_on_the_gpu_equal_the_reference(op):
+  """4096 tokens, top-8, hidden 7168: the layer's permute and un-permute, custom call against reference."""
   rng = np.random.default_rng(3)
   tokens, k, hidden = 4096, 8, 7168
   order = jnp.asarray(rng.permutation(tokens * k).astype(np.int32))

@@ -204,8 +204,8 @@ def test_linen_layer_init_and_apply_under_jit_take_the_mesh_of_set_mesh(axis_typ
 @needs_extension
 def test_layers_make_their_workspace_on_the_devices_of_set_mesh_inside_jit(monkeypatch):
   """workspace="on" inside jit under jax.set_mesh: the layer's workspace is made on the mesh set (the same one as a
-  call outside jit keeps) and gives the bits of the twin; with an abstract mesh and no mesh set, a clear error."""
-  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
+  call outside jit keeps) and gives the bits of the reference; with an abstract mesh and no mesh set, a clear error."""
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the reference
   mesh, config = _mesh(AxisType.Auto), _config()
   x = _x(mesh)
   flax_moe.close_workspaces()

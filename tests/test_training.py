@@ -2,7 +2,7 @@
 backward (`MoEConfig(expert_precision="fp8", expert_backward="fp8")`) ends within 2 % of the loss of the same model
 trained with bf16 experts, from the same start on the same data (a fresh batch each step, as in pretraining: the loss is
 the model's, not how well it memorized a few batches). The FP8 steps run the grouped-GEMM custom call's CPU handler
-here (the twin under JAX_MOE_A2A_IMPL=reference) and the CUDA kernels on a GPU."""
+here (the reference under JAX_MOE_A2A_IMPL=reference) and the CUDA kernels on a GPU."""
 
 import dataclasses
 

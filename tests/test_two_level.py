@@ -1,5 +1,5 @@
 """Two-level dispatch and combine (nodes x GPUs) on 8 simulated CPU devices as 2 x 4 and 4 x 2 (and the 1 x 8,
-8 x 1 edge cases): against the flat dispatch over the same two axes, the one-sided path against the twin, and the
+8 x 1 edge cases): against the flat dispatch over the same two axes, the one-sided path against the reference, and the
 layer against the dense oracle.
 
 What must hold (two_level.dispatch_two_level, two_level.combine_two_level):
@@ -8,7 +8,7 @@ What must hold (two_level.dispatch_two_level, two_level.combine_two_level):
   local id and weight (in another slot), and each rank receives each token once.
 - Combine regroups the flat float32 sum by node: bit for bit equal to the flat combine with one node or one GPU
   per node, else within float32 rounding (max |err| <= 1e-6 max |y|).
-- The one-sided inner calls (a workspace over the local axis) give the twin's bits, forward and backward.
+- The one-sided inner calls (a workspace over the local axis) give the reference's bits, forward and backward.
 - Gradients: the weights' bit for bit equal to the flat path's (each is one rank's cotangent plus zeros), x's
   within float32 rounding.
 """
@@ -130,7 +130,7 @@ def test_a_token_crosses_to_each_node_once():
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
-def test_one_sided_inner_calls_give_the_twins_bits(shape):
+def test_one_sided_inner_calls_give_the_references_bits(shape):
   num_experts = 8 * LOCAL_EXPERTS
   mesh = _mesh(shape)
   x, ids, w = _inputs(3, num_experts)
@@ -161,7 +161,7 @@ def _grads(mesh, num_experts, *, two_level, workspace=None, impl="auto"):
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
-def test_gradients_match_the_flat_path_and_the_one_sided_calls_the_twin(shape):
+def test_gradients_match_the_flat_path_and_the_one_sided_calls_the_reference(shape):
   num_experts = 8 * LOCAL_EXPERTS
   mesh = _mesh(shape)
   x, ids, w = _inputs(4, num_experts)
@@ -243,7 +243,7 @@ def test_one_node_gives_the_flat_layers_bits():
 
 
 def test_flax_layer_runs_two_levels_on_a_workspace_over_the_local_axis(monkeypatch):
-  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn impl="auto" into the twin
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn impl="auto" into the reference
   config = _layer_config()
   mesh = _mesh((2, 4))
   layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
@@ -351,14 +351,14 @@ def test_a_workspace_over_devices_that_cannot_map_each_other_is_refused(monkeypa
 
 
 @pytest.mark.gpu
-def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
+def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_reference():
   """Every GPU of this host as one node (a node axis of size 1), FP8 wire and FP8 experts, forward and every
   gradient: the two-level layer on its one-sided workspace gives the flat layer's bits (one node: the node
-  level moves every token to itself, and each float32 partial sum is the whole sum) and the two-level twin's.
+  level moves every token to itself, and each float32 partial sum is the whole sum) and the two-level reference's.
 
   Except where XLA's own dots take part: the router's and x's gradients come from XLA GEMMs whose algorithm
   (split-K in particular) the autotuner picks per program, so across two programs they agree within float32
-  summation order, calc_diff <= 1e-6 (measured on one H200: 1.1e-9 and 6.9e-11 against the twin; bit for bit
+  summation order, calc_diff <= 1e-6 (measured on one H200: 1.1e-9 and 6.9e-11 against the reference; bit for bit
   against the flat layer)."""
   n = len(jax.devices())
   mesh = Mesh(np.asarray(jax.devices()).reshape(1, n), AXES)
@@ -376,7 +376,7 @@ def test_gpu_two_level_with_one_node_equals_the_flat_layer_and_the_twin():
       moe.make_workspace(flat, mesh, tokens, training=True) as ws_flat:
     got = run(two, ws_two)
     problems = []
-    for label, want in (("flat", run(flat, ws_flat)), ("twin", run(two, None))):
+    for label, want in (("flat", run(flat, ws_flat)), ("reference", run(two, None))):
       for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         name = jax.tree_util.keystr(path)
         same = np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))

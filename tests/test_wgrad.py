@@ -1,4 +1,4 @@
-"""The FP8 weight gradient's twins: K-major grouped quantization (`quant.quantize_fp8_grouped_kmajor`) and the
+"""The FP8 weight gradient's references: K-major grouped quantization (`quant.quantize_fp8_grouped_kmajor`) and the
 grouped GEMM over each group's tokens (`grouped_gemm.grouped_gemm_fp8_wgrad`), against NumPy oracles."""
 
 import jax
@@ -165,7 +165,7 @@ def _wgrad_operands(rng, m, na, nb, sizes, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("m,sizes", SIZE_CASES)
-def test_wgrad_twin_equals_float64_oracle(m, sizes):
+def test_wgrad_reference_equals_float64_oracle(m, sizes):
   rng = np.random.default_rng(7 + m)
   _, _, ops = _wgrad_operands(rng, m, 128, 256, sizes)
   got = grouped_gemm.grouped_gemm_fp8_wgrad(*ops, jnp.asarray(sizes, jnp.int32), impl="reference")

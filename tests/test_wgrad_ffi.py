@@ -1,9 +1,9 @@
-"""The FP8 weight gradient's custom calls against their twins: jax_moe_a2a_quantize_fp8_grouped_kmajor bit for bit,
+"""The FP8 weight gradient's custom calls against their references: jax_moe_a2a_quantize_fp8_grouped_kmajor bit for bit,
 jax_moe_a2a_grouped_gemm_fp8_wgrad to float32 rounding of the accumulation. On CPU the C++ handlers; on a GPU
 (JAX_MOE_A2A_TEST_GPU=1) the CUDA kernels.
 
 GPU tolerance of the GEMM: wgmma accumulates each 128-deep block of FP8 products in reduced precision (about 14
-mantissa bits) before the float32 promotion, so the kernel differs from the twin's float32 sums by up to ~1e-4 of
+mantissa bits) before the float32 promotion, so the kernel differs from the reference's float32 sums by up to ~1e-4 of
 the largest output; the tests allow max |diff| <= 2e-3 * max |want| and calc_diff < 1e-6.
 """
 
@@ -60,7 +60,7 @@ def _assert_quantize_same(x, sizes, x_sf=None):
 
 @pytest.mark.parametrize("m,sizes", SIZE_CASES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn])
-def test_quantize_ffi_equals_twin(m, sizes, dtype):
+def test_quantize_ffi_equals_reference(m, sizes, dtype):
   rng = np.random.default_rng(m + len(sizes))
   s = jnp.asarray(sizes, jnp.int32)
   if dtype == jnp.float8_e4m3fn:
@@ -93,7 +93,7 @@ def _empty_groups(sizes, m):
 
 
 @pytest.mark.parametrize("m,sizes", SIZE_CASES[:6])
-def test_wgrad_ffi_close_to_twin(m, sizes):
+def test_wgrad_ffi_close_to_reference(m, sizes):
   rng = np.random.default_rng(3 + m)
   ops, s = _operands(rng, m, 128, 256, sizes)
   want = _gemm(ops, s, "reference")
@@ -174,7 +174,7 @@ def test_gpu_quantize_bit_exact(dtype):
     (300, 128, 128, (0, 0, 0)),
 ])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_wgrad_close_to_twin(m, na, nb, sizes, out_dtype):
+def test_gpu_wgrad_close_to_reference(m, na, nb, sizes, out_dtype):
   rng = np.random.default_rng(m + na)
   ops, s = _operands(rng, m, na, nb, sizes, impl="ffi")
   want = _gemm(ops, s, "reference")
