@@ -1,12 +1,22 @@
-"""FP8 1x128 quantization: the custom call against its pure-JAX twin under jit, in GB/s.
+"""Activation quantizers: each custom call against its pure-JAX twin under jit, in GB/s.
 
-Bytes moved = x read (2 bytes/value for bf16) + x_q written (1 byte/value) + scales written (4 bytes per 128
-values). The copy ceiling of an H200 is about 4.3 TB/s (read + write).
+Bytes moved = what the op reads + what it writes, at the sizes of its arrays (bf16 input, 2 bytes/value):
 
-Layout "kmajor G<g>": `quant.quantize_fp8_grouped_kmajor` of --groups equal groups (the weight gradient's
-operands): x read once, q_t [K, P] and sf_t [P/128, K] written, P = round_up(M, 128) + 128 G (padding included).
+  fp8 [M,K/128], [K/128,M]  x read; E4M3 codes (1 byte/value) and a float32 scale per 128 values written
+  kmajor G<g>               `quant.quantize_fp8_grouped_kmajor` of --groups equal groups (the weight gradient's
+                            operands): x read once, q_t [K, P] and sf_t [P/128, K] written, P = round_up(M, 128)
+                            + 128 G (padding included)
+  mxfp8                     x read; E4M3 codes and an E8M0 byte per 32 values written
+  mxfp8->bf16               codes and scales read, bf16 values written
+  nvfp4 gs                  given global scale: x read; E2M1 codes (half a byte/value) and an E4M3 byte per 16
+                            values written
+  nvfp4                     derived global scale: x read twice (its amax, then the codes), the same written
+  nvfp4 amax                `quant_mx.nvfp4_global_scale`: x read
+  nvfp4->bf16               codes and scales read, bf16 values written
 
-  python bench/bench_quant.py [--m 16384] [--k 7168] [--out DIR]
+The copy ceiling of an H200 is about 4.3 TB/s (read + write).
+
+  python bench/bench_quant.py [--m 16384] [--k 7168] [--ops mxfp8 nvfp4 ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,13 +31,49 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import int_in, positive_int, time_per_call, write_result  # noqa: E402
 
-from jax_moe_a2a import quant  # noqa: E402
+from jax_moe_a2a import quant, quant_mx  # noqa: E402
+
+OPS = ("fp8", "fp8_bmk", "kmajor", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4", "nvfp4_amax", "nvfp4_dequant")
+_LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
+           "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16"}
+
+
+def _op(name: str, m: int, k: int, groups: int):
+  """(fn(x, impl), bytes, prepare): `prepare` turns a bf16 input into the op's input (a dequantizer's codes)."""
+  mk = m * k
+  same = lambda x: (x,)
+  if name in ("fp8", "fp8_bmk"):
+    bmk = name == "fp8_bmk"
+    return (lambda x, impl: quant.quantize_fp8_blockwise(x, block_major_k=bmk, impl=impl),
+            2 * mk + mk + (mk // 128) * 4, same)
+  if name == "kmajor":
+    sizes = jnp.full((groups,), m // groups, jnp.int32).at[-1].add(m % groups)
+    p_len = quant.grouped_kmajor_length(m, groups)
+    return (lambda x, impl: quant.quantize_fp8_grouped_kmajor(x, sizes, impl=impl),
+            2 * mk + k * p_len + (p_len // 128) * k * 4, same)
+  if name == "mxfp8":
+    return lambda x, impl: quant_mx.quantize_mxfp8(x, impl=impl), 2 * mk + mk + mk // 32, same
+  if name == "mxfp8_dequant":
+    return (lambda q, sf, impl: quant_mx.dequantize_mxfp8(q, sf, dtype=jnp.bfloat16, impl=impl),
+            mk + mk // 32 + 2 * mk, lambda x: quant_mx.quantize_mxfp8(x, impl="reference"))
+  nv_out = mk // 2 + mk // 16
+  if name == "nvfp4_gs":
+    return (lambda x, gs, impl: quant_mx.quantize_nvfp4(x, global_scale=gs, impl=impl), 2 * mk + nv_out,
+            lambda x: (x, quant_mx.nvfp4_global_scale(x, impl="reference")))
+  if name == "nvfp4":
+    return lambda x, impl: quant_mx.quantize_nvfp4(x, impl=impl), 2 * 2 * mk + nv_out, same
+  if name == "nvfp4_amax":
+    return lambda x, impl: quant_mx.nvfp4_global_scale(x, impl=impl), 2 * mk, same
+  assert name == "nvfp4_dequant", name
+  return (lambda q, sf, gs, impl: quant_mx.dequantize_nvfp4(q, sf, gs, dtype=jnp.bfloat16, impl=impl),
+          nv_out + 2 * mk, lambda x: quant_mx.quantize_nvfp4(x, impl="reference"))
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=positive_int, nargs="+", default=[1024, 4096, 16384], help="rows (tokens)")
   p.add_argument("--k", type=int_in(128, multiple_of=128), default=7168, help="hidden size, a multiple of 128")
+  p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="the ops to time (table above)")
   p.add_argument("--groups", type=positive_int, default=32, help="groups of the K-major layout (M split evenly)")
   p.add_argument("--calls", type=positive_int, default=16, help="calls per jitted run (distinct inputs)")
   p.add_argument("--runs", type=positive_int, default=40, help="timed runs; the median is reported")
@@ -38,42 +84,35 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   rows = []
-  print(f"{'M':>6} {'K':>6} {'layout':>11} {'impl':>9} {'us/call':>9} {'GB/s':>8}   (median per call)")
+  print(f"{'M':>6} {'K':>6} {'op':>13} {'impl':>9} {'us/call':>9} {'GB/s':>8}   (median per call)")
   for m in args.m:
     k = args.k
-    nbytes = m * k * 2 + m * k + (m * k // 128) * 4
     key = jax.random.key(m)
     # Two sets of `calls` distinct inputs, rotated between runs.
     sets = [tuple(jax.random.normal(jax.random.fold_in(key, 100 * s + i), (m, k), jnp.bfloat16)
                   for i in range(args.calls)) for s in range(2)]
-    for block_major_k in (False, True):
-      fns = {impl: jax.jit(lambda *xs, impl=impl, bmk=block_major_k: [
-          quant.quantize_fp8_blockwise(x, block_major_k=bmk, impl=impl) for x in xs]) for impl in ("ffi", "reference")}
+    for name in args.ops:
+      fn, nbytes, prepare = _op(name, m, k, args.groups)
+      op_sets = [tuple(prepare(x) for x in xs) for xs in sets]
+      flat = [tuple(a for operands in xs for a in operands) for xs in op_sets]
+      arity = len(op_sets[0][0])
+      fns = {impl: jax.jit(lambda *a, impl=impl: [fn(*a[i:i + arity], impl=impl) for i in range(0, len(a), arity)])
+             for impl in ("ffi", "reference")}
       for repeat in range(args.repeats):
-        for impl, fn in fns.items():
-          t = time_per_call(fn, sets, calls_per_run=args.calls, runs=args.runs, warmup=10)
+        for impl, f in fns.items():
+          t = time_per_call(f, flat, calls_per_run=args.calls, runs=args.runs, warmup=10)
           gbps = nbytes / t["median_s"] / 1e9
-          layout = "[K/128,M]" if block_major_k else "[M,K/128]"
-          rows.append({"m": m, "k": k, "block_major_k": block_major_k, "impl": impl, "repeat": repeat,
-                       "bytes": nbytes, "gb_per_s": gbps, **t})
-          print(f"{m:>6} {k:>6} {layout:>11} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}", flush=True)
-    g = args.groups
-    sizes = jnp.full((g,), m // g, jnp.int32).at[-1].add(m % g)
-    p_len = quant.grouped_kmajor_length(m, g)
-    kbytes = m * k * 2 + k * p_len + (p_len // 128) * k * 4
-    fns = {impl: jax.jit(lambda *xs, impl=impl: [quant.quantize_fp8_grouped_kmajor(x, sizes, impl=impl) for x in xs])
-           for impl in ("ffi", "reference")}
-    for repeat in range(args.repeats):
-      for impl, fn in fns.items():
-        t = time_per_call(fn, sets, calls_per_run=args.calls, runs=args.runs, warmup=10)
-        gbps = kbytes / t["median_s"] / 1e9
-        rows.append({"m": m, "k": k, "grouped_kmajor_groups": g, "impl": impl, "repeat": repeat, "bytes": kbytes,
-                     "gb_per_s": gbps, **t})
-        print(f"{m:>6} {k:>6} {'kmajor G' + str(g):>11} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}",
-              flush=True)
+          row = {"m": m, "k": k, "op": name, "impl": impl, "repeat": repeat, "bytes": nbytes, "gb_per_s": gbps, **t}
+          if name in ("fp8", "fp8_bmk"):
+            row["block_major_k"] = name == "fp8_bmk"
+          if name == "kmajor":
+            row["grouped_kmajor_groups"] = args.groups
+          rows.append(row)
+          label = _LABELS.get(name, f"kmajor G{args.groups}")
+          print(f"{m:>6} {k:>6} {label:>13} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}", flush=True)
+      del op_sets, flat
     del sets
-  path = write_result("quant_fp8_blockwise", {"unit": "GB/s (bytes read + written / median time)",
-                                              "rows": rows}, args.out)
+  path = write_result("quant", {"unit": "GB/s (bytes read + written / median time)", "rows": rows}, args.out)
   print("wrote", path)
   return 0
 

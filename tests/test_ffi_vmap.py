@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import _ffi, a2a, grouped_gemm, quant
+from jax_moe_a2a import _ffi, a2a, grouped_gemm, quant, quant_mx
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 
@@ -31,6 +31,33 @@ def test_vmapped_quantization_equals_the_calls_one_by_one_and_the_twin():
   for want in (_one_by_one(fn("ffi"), x), jax.vmap(fn("reference"))(x)):
     for g, w in zip(got, want):
       np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_vmapped_mxfp8_and_nvfp4_calls_equal_the_calls_one_by_one_and_the_twin():
+  """Each element gets its own NVFP4 global scale (derived, or given per element) and its own round trip."""
+  x = jax.random.normal(jax.random.key(3), (3, 5, 256), jnp.float32) * jnp.array([1.0, 1e3, 1e-3])[:, None, None]
+  x = x.at[1, 2, 7].set(jnp.nan)
+  gs = jnp.array([0.5, 2.0, 1e-4], jnp.float32)
+
+  def mx(impl):
+    def f(x):
+      q, sf = quant_mx.quantize_mxfp8(x, impl=impl)
+      return q, sf, quant_mx.dequantize_mxfp8(q, sf, dtype=jnp.bfloat16, impl=impl)
+    return f
+
+  def nv(impl):
+    def f(x, g):
+      q, sf, derived = quant_mx.quantize_nvfp4(x, impl=impl)
+      q2, sf2, _ = quant_mx.quantize_nvfp4(x, global_scale=g, impl=impl)
+      return q, sf, derived, q2, sf2, quant_mx.dequantize_nvfp4(q2, sf2, g, impl=impl)
+    return f
+
+  for fn, args in ((mx, (x,)), (nv, (x, gs))):
+    got = jax.jit(jax.vmap(fn("ffi")))(*args)
+    for want in (_one_by_one(fn("ffi"), *args), jax.vmap(fn("reference"))(*args)):
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+  assert len(set(np.asarray(got[2]).tolist())) == 3  # one derived global scale per element
 
 
 def test_vmapped_grouped_gemms_equal_the_calls_one_by_one():
