@@ -12,6 +12,7 @@
 //   a block holding a NaN or an infinity: codes +0, s = 0x7F.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -36,13 +37,20 @@ JAX_MOE_A2A_HD inline uint32_t MxScaleBiased(uint32_t amax_bits) {
   return static_cast<uint32_t>(e < 0 ? 0 : (e > 254 ? 254 : e));
 }
 
-// float32 -> E2M1 code (0..15): the magnitude's index in {0, 0.5, 1, 1.5, 2, 3, 4, 6}, rounded to nearest with
-// ties to the even code (strict comparisons above an even code, inclusive above an odd one), saturated at 6;
-// bit 3 is the sign bit of v (so -0 gives 8).
+// float32 (not NaN) -> E2M1 code (0..15): the magnitude's index in {0, 0.5, 1, 1.5, 2, 3, 4, 6}, rounded to
+// nearest with ties to the even code, saturated at 6; bit 3 is the sign bit of v (so -0 gives 8). The twin's
+// threshold comparisons, computed from the bits: below 1 the grid is the multiples of 0.5 (rint of 2|v|, half to
+// even); from 1 up, rounding the float32 mantissa to one bit (half to even) gives the code directly, since E2M1's
+// exponent bias is 1 (code = rounded - 2 * 126), and a carry moves into the exponent by itself.
 JAX_MOE_A2A_HD inline uint32_t E2m1Code(float v, uint32_t v_bits) {
-  const float a = v < 0.0f ? -v : v;
-  const uint32_t mag = (a > 0.25f ? 1u : 0u) + (a >= 0.75f ? 1u : 0u) + (a > 1.25f ? 1u : 0u) +
-                       (a >= 1.75f ? 1u : 0u) + (a > 2.5f ? 1u : 0u) + (a >= 3.5f ? 1u : 0u) + (a > 5.0f ? 1u : 0u);
+  const uint32_t abs_bits = v_bits & 0x7FFFFFFFu;
+  uint32_t mag;
+  if (abs_bits < 0x3F800000u) {
+    mag = static_cast<uint32_t>(rintf((v < 0.0f ? -v : v) * 2.0f));
+  } else {
+    const uint32_t rounded = ((abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u)) >> 22) - 252u;
+    mag = rounded < 7u ? rounded : 7u;
+  }
   return mag | ((v_bits >> 28) & 8u);
 }
 

@@ -334,6 +334,20 @@ __global__ void __launch_bounds__(1) FinishGlobalScale(float* global_scale) {
   *global_scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kNvfp4GlobalDivisor);
 }
 
+// v / d correctly rounded, from d's correctly rounded reciprocal r: q = v * r is within an ulp, the residual
+// v - q * d is exact in an FMA, and q + residual * r rounds to v / d (Markstein's theorem) when nothing underflows
+// or overflows: `fast` says d and the block's largest quotient are far from both ends, and |v| >= 2^-100 keeps
+// the residual normal. Zeros keep their sign; the rest take the full division.
+__device__ __forceinline__ float Quotient(float v, float d, float r, bool fast) {
+  const uint32_t abs_bits = __float_as_uint(v) & 0x7FFFFFFFu;
+  if (abs_bits == 0) return v;
+  if (fast && abs_bits >= (27u << 23)) {
+    const float q = __fmul_rn(v, r);
+    return __fmaf_rn(__fmaf_rn(-q, d, v), r, q);
+  }
+  return __fdiv_rn(v, d);
+}
+
 // Blocks of 16 values enumerated row-major (the scale index is the block index).
 template <typename T, int kUnroll>
 __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restrict__ x,
@@ -377,12 +391,15 @@ __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restr
       const float ratio = __fdiv_rn(__fdiv_rn(amax, kE2m1Max), gs);
       scale = FloatToE4m3Device(ratio > 0.0f ? fminf(ratio, kE4m3Max) : 0.0f);
       const float denom = __fmul_rn(E4m3ToFloatDevice(scale), gs);
+      const float recip = __frcp_rn(denom);
+      const bool fast = denom >= 0x1p-100f && denom <= 0x1p100f && __fmul_rn(amax, recip) <= 0x1p64f;
+      float q[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) q[i] = denom > 0.0f ? Quotient(v[i], denom, recip, fast) : 0.0f;
 #pragma unroll
       for (int i = 0; i < kVec; i += 2) {
-        const float a = denom > 0.0f ? __fdiv_rn(v[i], denom) : 0.0f;
-        const float b = denom > 0.0f ? __fdiv_rn(v[i + 1], denom) : 0.0f;
-        packed[i / 2] = static_cast<uint8_t>(E2m1Code(a, __float_as_uint(a)) |
-                                             (E2m1Code(b, __float_as_uint(b)) << 4));
+        packed[i / 2] = static_cast<uint8_t>(E2m1Code(q[i], __float_as_uint(q[i])) |
+                                             (E2m1Code(q[i + 1], __float_as_uint(q[i + 1])) << 4));
       }
     } else {
 #pragma unroll
