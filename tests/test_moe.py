@@ -32,9 +32,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import devices
-from jax_moe_a2a import a2a, expert_mlp, moe, routing
+from jax_moe_a2a import expert_mlp, moe, routing
 from jax_moe_a2a.testing import calc_diff, max_rel
-from jax_moe_a2a.wire import wire_dispatch
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
 F32_TOL = 2e-5  # max |err| / max |ref| with float32 compute
@@ -313,44 +312,8 @@ def test_bf16_compute():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The wire's gradient
+# The layer's exchanges (the wire's own gradient: test_wire.py)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _wire_vjps(num_ranks=4, num_tokens=12):
-  """dx and d(topk_weights) of the FP8 wire and of a plain float32 dispatch, for the same cotangents."""
-  rng = np.random.default_rng(0)
-  ids = rng.integers(-1, EXPERTS, size=(num_ranks * num_tokens, TOP_K)).astype(np.int32)
-  w = rng.random((num_ranks * num_tokens, TOP_K)).astype(np.float32)
-  x = rng.standard_normal((num_ranks * num_tokens, HIDDEN)).astype(np.float32)
-  ct_rows = rng.standard_normal((num_ranks * num_ranks, num_tokens, HIDDEN)).astype(np.float32)
-  ct_w = rng.standard_normal((num_ranks * num_ranks, num_tokens, TOP_K)).astype(np.float32)
-  mesh = _mesh((num_ranks,), ("ep",))
-
-  def body(x, ids, w, ct_rows, ct_w):
-    def wire(x, w):
-      rows, _, recv_w, _, _ = wire_dispatch(x, ids, w, wire_format="fp8_blockwise", num_experts=EXPERTS,
-                                                axis_name="ep", dtype=jnp.float32)
-      return rows, recv_w
-
-    def plain(x, w):
-      res, _ = a2a.dispatch(x, ids, w, num_experts=EXPERTS, axis_name="ep")
-      return res.recv_x, res.recv_topk_weights
-
-    _, vjp_wire = jax.vjp(wire, x, w)
-    _, vjp_plain = jax.vjp(plain, x, w)
-    return vjp_wire((ct_rows, ct_w)) + vjp_plain((ct_rows, ct_w))
-
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-  return [np.asarray(a) for a in fn(x, ids, w, ct_rows, ct_w)]
-
-
-def test_fp8_wire_gradient_is_straight_through():
-  """The FP8 wire's VJP is the float32 dispatch's VJP, bit for bit: no quantization in the backward pass."""
-  dx, dw, dx_plain, dw_plain = _wire_vjps()
-  assert np.any(dx != 0) and np.any(dw != 0)
-  np.testing.assert_array_equal(dx, dx_plain)
-  np.testing.assert_array_equal(dw, dw_plain)
 
 
 @pytest.mark.parametrize("wire_format", ["bf16", "fp8_blockwise"])

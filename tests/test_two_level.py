@@ -26,7 +26,6 @@ from conftest import devices
 from jax_moe_a2a import _ffi, a2a, flax_moe, moe
 from jax_moe_a2a.testing import calc_diff, max_rel
 from jax_moe_a2a.two_level import combine_two_level, dispatch_two_level
-from jax_moe_a2a.wire import wire_dispatch
 from jax_moe_a2a.workspace import Workspace
 
 import test_moe  # the layer tests' inputs, oracle and tolerances
@@ -316,13 +315,6 @@ def test_dispatch_two_level_refuses_a_workspace_over_another_axis():
     with pytest.raises(ValueError, match=r"workspace must be created over local_axis 'local' \(one expert group "
                                          r"per node\), got a workspace over \('node', 'local'\)"):
       _trace_two_level(mesh, workspace=ws)
-
-
-def test_the_wire_in_two_levels_needs_an_axis_pair():
-  with pytest.raises(ValueError, match=r"with two_level, axis_name must be the pair \(node axis, local axis\), got "
-                                       r"'local'"):
-    wire_dispatch(jnp.zeros((4, HIDDEN)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2)), wire_format="bf16",
-                      num_experts=8, axis_name="local", two_level=True)
 
 
 def test_combine_two_level_needs_its_handle():
