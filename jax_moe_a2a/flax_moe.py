@@ -150,6 +150,7 @@ class MoE(nnx.Module):
 
     layer = MoE(config=config, mesh=mesh, rngs=nnx.Rngs(0))
     y, aux = layer(x)   # x [num_tokens, hidden], sharded P(config.token_axes, None)
+    apply, state = jit_apply(layer)   # under jit in a loop (module docstring): y, aux = apply(state, x)
   """
 
   def __init__(self, *, config: moe.MoEConfig, rngs: nnx.Rngs, mesh: Optional[Mesh] = None,
@@ -194,7 +195,7 @@ class MoE(nnx.Module):
     """
     mesh = moe.resolve_mesh("MoE", self.mesh)
     params = self.params()
-    if not any(isinstance(v, jax.core.Tracer) for v in (x, *params.values())):
+    if not any(isinstance(v, jax.core.Tracer) for v in (x, *params.values())):  # outside jit, grad, ...
       return _eager_apply(self.config, mesh, self.workspace)(params, x)
     return _apply("MoE", self.workspace, self.config, mesh, params, x)
 
@@ -216,7 +217,8 @@ def jit_apply(layer: MoE) -> tuple[Callable[[nnx.State, jax.Array], tuple[jax.Ar
     raise TypeError(f"jit_apply: layer must be a flax_moe.MoE, got {type(layer).__name__}")
   graphdef, state = nnx.split(layer)
 
-  # The graphdef is closed over, not a static argument: hashing it on every call would cost more than the call.
+  # The graphdef is closed over, not a static argument: as one it would be hashed on every call (the config, the
+  # mesh and every Variable's metadata), Python work that this function exists to leave out.
   @jax.jit
   def apply(state: nnx.State, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     return nnx.merge(graphdef, state)(x)
