@@ -614,7 +614,7 @@ def load_hf_layer(model_dir: str, layer: int, mesh=None, *, prefix: Optional[str
     raise ValueError(f"{op}: the checkpoint has no tensors under {prefix!r} (layer {layer}; the model has "
                      f"{_Keys(hf, model_type, op).raw('num_hidden_layers')} layers)")
   mesh = moe.resolve_mesh(op, mesh)
-  moe._mesh_axes(op, config, mesh)  # pylint: disable=protected-access
+  moe.mesh_axis_sizes(op, config, mesh)
   source = _Layer(_LazyTensors(model_dir, weight_map), config, model_type, prefix, op)
   params = {}
   for name, spec in moe.param_specs(config).items():

@@ -351,7 +351,7 @@ def _workspace_axis(config: MoEConfig, two_level: bool):
   return config.expert_axes[1] if two_level else config.expert_axis
 
 
-def _mesh_axes(op: str, config: MoEConfig, mesh: AnyMesh) -> dict[str, int]:
+def mesh_axis_sizes(op: str, config: MoEConfig, mesh: AnyMesh) -> dict[str, int]:
   """Checks that every axis the config names exists; returns the mesh's axis sizes."""
   if not isinstance(mesh, (Mesh, AbstractMesh)):
     raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}")
@@ -477,7 +477,7 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = Non
   if not isinstance(config, MoEConfig):
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
   mesh = resolve_mesh(op, mesh)
-  _mesh_axes(op, config, mesh)
+  mesh_axis_sizes(op, config, mesh)
   shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
   values = jax.jit(_init_values, static_argnums=1, out_shardings=shardings)(key, config)
   # Inside an outer jit the inner jit's out_shardings constrain the values but do not enter their types, where the
@@ -772,7 +772,7 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
                                                  "expert_precision")
     config = dataclasses.replace(config, expert_precision=precision)
   mesh = resolve_mesh(op, mesh)
-  sizes = _mesh_axes(op, config, mesh)
+  sizes = mesh_axis_sizes(op, config, mesh)
   _check_params(op, params, config)
   _check_x(op, x, config, sizes)
   return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace)
@@ -794,7 +794,7 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
     raise ValueError(f"make_workspace: mesh must be a jax.sharding.Mesh (the workspace is memory on its devices), got "
                      f"the AbstractMesh {_mesh_text(mesh)} (inside jax.jit, jax.grad and the like, the mesh of "
                      f"jax.set_mesh has no devices); make the workspace outside jit and pass it in")
-  _mesh_axes("make_workspace", config, mesh)
+  mesh_axis_sizes("make_workspace", config, mesh)
   sizes = dict(mesh.shape)
   shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))
   capacity = num_tokens // shards

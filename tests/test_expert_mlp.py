@@ -11,26 +11,9 @@ import pytest
 
 from jax_moe_a2a import expert_mlp, grouped_gemm, quant
 
-HIDDEN, FFN, LOCAL = 256, 128, 3
-TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _float32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-def _max_rel(x, y):
-  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
-
-
-def _weights(seed, num_local=LOCAL):
-  rng = np.random.default_rng(100 + seed)
-  gu = (rng.standard_normal((num_local, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
-  dn = (rng.standard_normal((num_local, HIDDEN, FFN)) / np.sqrt(FFN)).astype(np.float32)
-  return expert_mlp.ExpertWeights(jnp.asarray(gu), jnp.asarray(dn))
+# The stage's sizes, weights and full-precision matmuls (an autouse fixture, active here once imported).
+from test_experts import FFN, HIDDEN, TOL, _max_rel, _weights  # noqa: E402
+from test_experts import _float32_matmuls  # noqa: F401  pylint: disable=unused-import
 
 
 @pytest.mark.parametrize("group_sizes", [(0, 0, 0), (1, 0, 300), (128, 129, 0), (17, 5, 40)])
