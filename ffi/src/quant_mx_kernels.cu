@@ -304,14 +304,24 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) FiniteAmaxKernel(const T* __restrict__ x, int64_t n,
                                                              uint32_t* __restrict__ amax_bits) {
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t vectors = n / kVec;
+  const int64_t vectors = n / kVec, stride = static_cast<int64_t>(gridDim.x) * kThreads;
   float amax = 0.0f;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < vectors;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    float v[kVec];
-    Unpack<T>(LoadStreaming(x + i * kVec), v);
+  // kManyUnroll loads in flight per thread, then their values.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; base < vectors;
+       base += kManyUnroll * stride) {
+    uint4 raw[kManyUnroll];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) amax = isfinite(v[j]) ? fmaxf(amax, fabsf(v[j])) : amax;
+    for (int u = 0; u < kManyUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      raw[u] = i < vectors ? LoadStreaming(x + i * kVec) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kManyUnroll; ++u) {
+      float v[kVec];
+      Unpack<T>(raw[u], v);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) amax = isfinite(v[j]) ? fmaxf(amax, fabsf(v[j])) : amax;
+    }
   }
   if (blockIdx.x == 0 && threadIdx.x < n - vectors * kVec) {
     const float v = ToFloat(x[vectors * kVec + threadIdx.x]);
@@ -507,7 +517,7 @@ cudaError_t LaunchNvfp4GlobalScale(cudaStream_t stream, InputType type, const vo
     auto launch = [&](auto* typed) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
       const int64_t vectors = n / (16 / sizeof(T));
-      const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(Ceil(vectors, kThreads),
+      const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(Ceil(vectors, kThreads * kManyUnroll),
                                                                                 kMaxAmaxBlocks)));
       FiniteAmaxKernel<<<grid, kThreads, 0, stream>>>(typed, n, bits);
     };
