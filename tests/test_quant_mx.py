@@ -42,7 +42,7 @@ def _wide(rng, m, k, dtype, block):
 def _edge_rows(k, dtype, block):
   """Rows of edge cases, one case per block where it matters: zeros and -0, NaN and +-inf (each in its own
   block), the largest values of `dtype`, values at E4M3 and E2M1 rounding ties, a block far below its row, and,
-  off GPUs, float32 subnormals (flushed on CPUs, by the handler as by XLA)."""
+  off GPUs, float32 subnormals (flushed on CPUs, by the handler as by XLA), and tiny values beside normal ones."""
   top = float(jnp.finfo(dtype).max)
   rows = np.zeros((10, k), F32)
   rows[0, 1::2] = -0.0
@@ -64,7 +64,8 @@ def _edge_rows(k, dtype, block):
   rows[7, :] = np.resize(np.array([0.5, -3.0, 7.0, 448.0, 449.0, 1e-3], F32), (k,))
   if not _ON_GPU:
     rows[8, :] = np.resize(np.array([1e-40, -3e-39, 2.0 ** -126, 0.0], F32), (k,))
-  rows[9, :] = -1e-30
+  # Values below 2^-100 beside a block amax of 1 (the kernel's quotient takes the full division there).
+  rows[9, :] = np.resize(np.array([1.0, 1e-35, -1e-36, 3e-38, -1e-30, 0.0, -0.0, 2.0 ** -100], F32), (k,))
   return rows
 
 
@@ -351,8 +352,9 @@ def test_gpu_mxfp8_bit_exact(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("global_scale", [None, 1.0])
+@pytest.mark.parametrize("global_scale", [None, 1.0, 1e-30, 3e30])
 def test_gpu_nvfp4_bit_exact(dtype, global_scale):
+  """1e-30: block scales clipped at 448, quotients far above 6 (the kernel's full division); 3e30: all +0."""
   assert jax.default_backend() == "gpu"
   q, sf, gs = _nv_both(_inputs(4099, 7168, dtype, 16, 12), global_scale)
   for out in (jnp.bfloat16, jnp.float32):
