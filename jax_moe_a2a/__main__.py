@@ -3,7 +3,7 @@
   demo     a small MoE layer on every device (8 simulated CPU devices without an accelerator), forward and
            backward under jit, checked against the dense oracle (``demo --help`` lists its options)
   report   the wire formats' payload and workspace bytes for a model shape, and a quantization check through
-           the custom call and its pure-JAX twin
+           the custom call and its pure-JAX reference
   bench    run a benchmark script of the repository's bench/ folder (e.g. ``bench quant``; needs a checkout)
   plan     expert parallelism over nodes on paper: bytes per link and predicted dispatch/combine times, flat
            against two-level (``plan --help``)
@@ -66,7 +66,7 @@ def _report(args: argparse.Namespace) -> int:
     same = bool(np.array_equal(np.asarray(q).view(np.uint8), np.asarray(q_ref).view(np.uint8))
                 and np.array_equal(np.asarray(sf).view(np.uint32), np.asarray(sf_ref).view(np.uint32)))
     print(f"\nCustom call jax_moe_a2a_quantize_fp8_blockwise on {jax.default_backend()}: "
-          f"{'bit-exact' if same else 'DIFFERS'} against the pure-JAX twin")
+          f"{'bit-exact' if same else 'DIFFERS'} against the pure-JAX reference")
     return 0 if same else 1
   print("\nCustom call not run: the extension has no handlers for this backend.")
   return 0

@@ -2,7 +2,7 @@
 setup block has threads (256): the group-size scan carries its running row offset from one chunk of groups to the
 next, and every unit carves its per-group arrays from scratch by the same rule. 300 groups, with empty, one-row,
 tile-sized and clamped (oversized) groups, through the FP8 GEMM (contiguous and masked), the bf16 GEMM's three
-modes and the FP8 weight gradient, each against its twin; then the same compiled call with other sizes (the
+modes and the FP8 weight gradient, each against its reference; then the same compiled call with other sizes (the
 cached kernel parameters must not hold them). The tolerances are those of each GEMM's own tests.
 
 GPU tests (JAX_MOE_A2A_TEST_GPU=1 on a GPU): on CPU the custom calls take their C++ loops, not this scaffolding."""
@@ -35,7 +35,7 @@ def _unowned_rows(sizes, rows):
 
 
 def _both(fn, *args):
-  """fn(*args, impl) for the custom call and the twin, one compiled program each."""
+  """fn(*args, impl) for the custom call and the reference, one compiled program each."""
   return [np.asarray(jax.jit(lambda *a, impl=impl: fn(*a, impl=impl))(*args).astype(jnp.float32))
           for impl in ("ffi", "reference")]
 
@@ -114,7 +114,7 @@ def test_one_compiled_call_with_other_sizes_on_many_groups():
 
   for seed in range(3):
     sizes = _sizes(np.random.default_rng(10 + seed), rows)
-    (fp8, bf16), (fp8_twin, bf16_twin) = [[np.asarray(o.astype(jnp.float32)) for o in p] for p in both(sizes)]
-    assert calc_diff(fp8, fp8_twin) < 1e-3 and calc_diff(bf16, bf16_twin) < 1e-5
+    (fp8, bf16), (fp8_ref, bf16_ref) = [[np.asarray(o.astype(jnp.float32)) for o in p] for p in both(sizes)]
+    assert calc_diff(fp8, fp8_ref) < 1e-3 and calc_diff(bf16, bf16_ref) < 1e-5
     for got in (fp8, bf16):
       np.testing.assert_array_equal(got[_unowned_rows(sizes, rows)], 0)
