@@ -496,12 +496,14 @@ def _transposed(w: jax.Array, w_sf: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.swapaxes(w, -1, -2), jnp.swapaxes(w_sf, -1, -2)
 
 
-def wgrad_fp8(impl, dy, x, group_sizes, out_dtype, x_sf=None):
+def wgrad_fp8(impl, dy, x, group_sizes, out_dtype, x_sf=None, dy_rows=None, x_rows=None):
   """Per group, dy_g^T x_g on the FP8 grouped GEMM: both operands quantized along the tokens (128x1 tiles, each
-  group padded to 128 tokens; an FP8 x with 1x128 scales x_sf is decoded and quantized again that way)."""
-  kmajor = lambda v, sf=None: quant.quantize_fp8_grouped_kmajor(v, group_sizes, sf, impl=impl)
-  return grouped_gemm.grouped_gemm_fp8_wgrad(*kmajor(dy), *kmajor(x, x_sf), group_sizes, out_dtype=out_dtype,
-                                             impl=impl)
+  group padded to 128 tokens; an FP8 x with 1x128 scales x_sf is decoded and quantized again that way). dy_rows /
+  x_rows (int32 [A]): the operand's sorted rows are read at these rows of dy / x (kept once per token) rather than
+  expanded first."""
+  kmajor = lambda v, sf, r: quant.quantize_fp8_grouped_kmajor(v, group_sizes, sf, rows=r, impl=impl)
+  return grouped_gemm.grouped_gemm_fp8_wgrad(*kmajor(dy, None, dy_rows), *kmajor(x, x_sf, x_rows), group_sizes,
+                                             out_dtype=out_dtype, impl=impl)
 
 
 def data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8_t, weight=None):

@@ -123,7 +123,7 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
       # expert sort past every group, where the FP8 GEMM writes 0.
       ct_q, ct_sf = expert_mlp.quantize_rows(ordering.after(ct, scale), mlp_impl)
       ct_q, ct_sf = rows.scatter_rows(ct_q, pos, impl=mlp_impl), rows.scatter_rows(ct_sf, pos, impl=mlp_impl)
-    if not fp8_backward or st.w_dtypes is not None:
+    if not fp8_backward or (st.w_dtypes is not None and not fp8_wgrad):
       ct_sorted = rows.gather_rows(ct, perm.src_row, scale=scale, out_dtype=bf16, impl=st.impl)
   with jax.named_scope("experts"):
     act = expert_mlp.swiglu(h)
@@ -139,14 +139,13 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
     d_w = jnp.sum(act * g.astype(f32), axis=-1)  # <act, ct @ w_down> = <y, ct> per sorted assignment
     dw_gu = dw_dn = None
     if st.w_dtypes is not None and fp8_wgrad:
-      # The FP8 weight gradients: the rows expanded again as the forward's FP8 codes, re-tiled along the tokens.
+      # The FP8 weight gradients: the cotangent rows and the forward's FP8 codes, kept once per token, re-tiled
+      # along the tokens where they are read at each sorted assignment (no expanded copy of either).
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
-      dw_dn = expert_mlp.wgrad_fp8(mlp_impl, ct_sorted, (w_sorted * act).astype(bf16), gs,
-                                   wgrad_dtype).astype(st.w_dtypes[1])
-      with jax.named_scope("permute"):
-        x_q = rows.scatter_rows(saved_rows[0], pos, impl=mlp_impl)
-        x_sf = rows.scatter_rows(saved_rows[1], pos, impl=mlp_impl)
-      dw_gu = expert_mlp.wgrad_fp8(mlp_impl, dh, x_q, gs, wgrad_dtype, x_sf=x_sf).astype(st.w_dtypes[0])
+      dw_dn = expert_mlp.wgrad_fp8(mlp_impl, ordering.after(ct, scale), (w_sorted * act).astype(bf16), gs,
+                                   wgrad_dtype, dy_rows=perm.src_row).astype(st.w_dtypes[1])
+      dw_gu = expert_mlp.wgrad_fp8(mlp_impl, dh, saved_rows[0], gs, wgrad_dtype, x_sf=saved_rows[1],
+                                   x_rows=perm.src_row).astype(st.w_dtypes[0])
     elif st.w_dtypes is not None:
       wgrad_dtype = f32 if f32 in st.w_dtypes else jnp.dtype(bf16)
       dw_dn = grouped_gemm.grouped_gemm_bf16_wgrad(ct_sorted, (w_sorted * act).astype(bf16), gs,

@@ -494,16 +494,19 @@ def _check_kmajor_group_sizes(op: str, group_sizes: Any) -> jax.Array:
 
 
 @jax.jit
-def quantize_fp8_grouped_kmajor_reference(x: jax.Array, group_sizes: jax.Array,
-                                          x_sf: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8_grouped_kmajor_reference(x: jax.Array, group_sizes: jax.Array, x_sf: Optional[jax.Array] = None,
+                                          rows: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
   """Pure-JAX twin of `quantize_fp8_grouped_kmajor` (same semantics, no argument checks)."""
-  m, c = x.shape
+  r, c = x.shape
+  m = r if rows is None else rows.shape[0]
   p = grouped_kmajor_length(m, group_sizes.shape[0])
   _, src, is_row = kmajor_column_groups(group_sizes, m, p)
-  if m == 0:
+  if m == 0 or r == 0:
     xt = jnp.zeros((c, p), jnp.float32)
   else:
     xf = x.astype(jnp.float32) if x_sf is None else dequantize_fp8_blockwise_reference(x, x_sf)
+    if rows is not None:
+      xf = jnp.where(((rows >= 0) & (rows < r))[:, None], xf[jnp.clip(rows, 0, r - 1)], 0.0)
     xt = jnp.where(is_row[None, :], xf[src].T, 0.0)  # [C, P]
   q, scale = _fp8_block_quantize(xt.reshape(c, p // FP8_BLOCK, FP8_BLOCK), (2,))
   # Padding columns are code 0 also in a block marked NaN.
@@ -511,19 +514,20 @@ def quantize_fp8_grouped_kmajor_reference(x: jax.Array, group_sizes: jax.Array,
   return q, scale.T
 
 
-def _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf):
-  m, c = x.shape
+def _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf, rows):
+  m, c = x.shape if rows is None else (rows.shape[0], x.shape[1])
   p = grouped_kmajor_length(m, group_sizes.shape[0])
   out = (jax.ShapeDtypeStruct((c, p), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((p // FP8_BLOCK, c), jnp.float32),
          jax.ShapeDtypeStruct((p // FP8_BLOCK, 2), jnp.int32))  # per 128 columns: first source row, rows
   sf_in = jnp.zeros((0,), jnp.float32) if x_sf is None else x_sf
-  q, sf, _ = _ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, sf_in, group_sizes)
+  rows_in = jnp.zeros((0,), jnp.int32) if rows is None else rows
+  q, sf, _ = _ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, sf_in, rows_in, group_sizes)
   return q, sf
 
 
 def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[jax.Array] = None, *,
-                                impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+                                rows: Optional[jax.Array] = None, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Transposes rows sorted by group to K-major FP8 with one FP32 scale per 128 tokens of a group x 1 column.
 
   The operands of the weight gradient ``dW[g] = dy_g^T x_g`` (`grouped_gemm.grouped_gemm_fp8_wgrad`): FP8 wgmma
@@ -548,10 +552,16 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
   (the error of both roundings adds up). `to_block_major_k` is not that: it keeps the codes and 1x128 tiles
   and only transposes the scale array.
 
+  Gather: with `rows`, the M sorted rows are read from x where they are (sorted row i is ``x[rows[i]]``, a zero
+  row where ``rows[i]`` is outside [0, R)), so rows kept once per token need not be expanded to one copy per
+  assignment first: the same bits as quantizing ``rows.gather_rows(x, rows)``, without writing and reading that.
+
   Args:
-    x: [M, C] bfloat16, float16 or float32, or float8_e4m3fn with `x_sf`; C a positive multiple of 128.
+    x: [M, C] (or [R, C] with `rows`) bfloat16, float16 or float32, or float8_e4m3fn with `x_sf`; C a positive
+      multiple of 128.
     group_sizes: int32 [G], 1 <= G <= 65535 (run-time values; a list of ints is converted).
-    x_sf: float32 [M, C/128], the 1x128 scales of an FP8 `x` (None otherwise).
+    x_sf: float32 [M, C/128] (or [R, C/128]), the 1x128 scales of an FP8 `x` (None otherwise).
+    rows: None, or int32 [M]: the row of x that each sorted row reads.
     impl: "auto", "ffi" (the custom call jax_moe_a2a_quantize_fp8_grouped_kmajor) or "reference".
 
   Returns:
@@ -561,8 +571,8 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
 
   Raises:
     TypeError: x, x_sf or group_sizes has the wrong dtype.
-    ValueError: a shape is wrong (x not 2-D, C not a positive multiple of 128, x_sf not [M, C/128], x_sf given
-      for a float x or missing for an FP8 x, group_sizes not [G]).
+    ValueError: a shape is wrong (x not 2-D, C not a positive multiple of 128, x_sf not x's rows by C/128, x_sf
+      given for a float x or missing for an FP8 x, group_sizes not [G], rows not [M] with M < 2^31).
   """
   op = "quantize_fp8_grouped_kmajor"
   _check_array(op, "x", x)
@@ -583,9 +593,16 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
     raise ValueError(f"{op}: x_sf must be None for a {jnp.dtype(x.dtype).name} x (scales belong to an FP8 x), got "
                      f"{type(x_sf).__name__}")
   group_sizes = _check_kmajor_group_sizes(op, group_sizes)
-  if _ffi.resolve_impl(op, impl) == "ffi":
-    return _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf)
-  return quantize_fp8_grouped_kmajor_reference(x, group_sizes, x_sf)
+  if rows is not None:
+    _check_array(op, "rows", rows)
+    if jnp.dtype(rows.dtype) != jnp.dtype(jnp.int32):
+      raise TypeError(f"{op}: rows must be int32, got {rows.dtype}")
+    if rows.ndim != 1 or rows.shape[0] >= 2 ** 31:
+      raise ValueError(f"{op}: rows must be [M] with M < 2^31, got shape {tuple(rows.shape)}")
+  # An empty gather ([0] rows) is the twin's: the custom call reads [0] as "no gather".
+  if _ffi.resolve_impl(op, impl) == "ffi" and (rows is None or rows.shape[0] > 0):
+    return _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf, rows)
+  return quantize_fp8_grouped_kmajor_reference(x, group_sizes, x_sf, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

@@ -105,6 +105,27 @@ def test_quantize_fp8_input_decodes_then_requantizes():
     np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
+def test_quantize_gather_is_quantizing_the_gathered_rows():
+  """rows: sorted row i reads x[rows[i]] (a zero row outside x), the same bits as gathering first; FP8 rows too."""
+  rng = np.random.default_rng(3)
+  x = _rows(rng, 50, 256, jnp.bfloat16, non_finite=True)
+  rows = jnp.asarray(rng.integers(-3, 53, size=300), jnp.int32)  # repeats, negatives and indices past x
+  sizes = jnp.asarray([120, 0, 130, 50], jnp.int32)
+  gathered = jnp.where(((rows >= 0) & (rows < 50))[:, None], x[jnp.clip(rows, 0, 49)], 0)
+  got = quant.quantize_fp8_grouped_kmajor(x, sizes, rows=rows, impl="reference")
+  want = quant.quantize_fp8_grouped_kmajor(gathered, sizes, impl="reference")
+  for g, w in zip(got, want):
+    assert g.shape == w.shape
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+  x_q, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  got = quant.quantize_fp8_grouped_kmajor(x_q, sizes, x_sf, rows=rows, impl="reference")
+  want = quant.quantize_fp8_grouped_kmajor(jnp.where(((rows >= 0) & (rows < 50))[:, None],
+                                                     quant.dequantize_fp8_blockwise(x_q, x_sf)[jnp.clip(rows, 0, 49)],
+                                                     0.0), sizes, impl="reference")
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
 def test_quantize_lists_and_jit():
   x = _rows(np.random.default_rng(2), 130, 128, jnp.bfloat16)
   a = quant.quantize_fp8_grouped_kmajor(x, [100, 30], impl="reference")
@@ -129,6 +150,9 @@ def test_quantize_lists_and_jit():
      "group_sizes must be int32"),
     (dict(group_sizes=jnp.zeros((0,), jnp.int32)), ValueError, r"group_sizes must be \[G\] with 1 <= G"),
     (dict(group_sizes=jnp.zeros((2, 1), jnp.int32)), ValueError, r"group_sizes must be \[G\]"),
+    (dict(rows=jnp.zeros((4,), jnp.float32)), TypeError, "rows must be int32, got float32"),
+    (dict(rows=jnp.zeros((4, 1), jnp.int32)), ValueError, r"rows must be \[M\] with M < 2\^31, got shape \(4, 1\)"),
+    (dict(rows=[0, 1]), TypeError, "rows must be an array, got list"),
 ])
 def test_quantize_refuses_bad_arguments(args, err, match):
   kw = dict(x=jnp.zeros((4, 128), jnp.float32), group_sizes=jnp.asarray([2, 2], jnp.int32))

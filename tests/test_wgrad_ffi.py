@@ -70,6 +70,29 @@ def test_quantize_ffi_equals_reference(m, sizes, dtype):
     _assert_quantize_same(_rows(rng, m, 256, dtype, non_finite=True), s)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn])
+def test_quantize_gather_ffi_equals_twin(dtype):
+  """rows (repeats, negatives, indices past x) read by the custom call as by the twin; the DeepSeek-V3 case of
+  8 copies of each of 512 tokens in expert order on a GPU."""
+  rng = np.random.default_rng(7)
+  cases = [(77, 400, [130, 0, 170, 100], 384)]
+  if jax.default_backend() == "gpu":
+    cases.append((512, 4096, [128] * 32, 7168))
+  for r, m, sizes, c in cases:
+    rows = jnp.asarray(rng.integers(-2, r + 2, size=m), jnp.int32)
+    s = jnp.asarray(sizes, jnp.int32)
+    x = _rows(rng, r, c, jnp.float32 if dtype == jnp.float8_e4m3fn else dtype, non_finite=True)
+    x_sf = None
+    if dtype == jnp.float8_e4m3fn:
+      x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+    fn = lambda impl: jax.jit(lambda x, sf, rows, s: quant.quantize_fp8_grouped_kmajor(x, s, x_sf=sf, rows=rows,
+                                                                                         impl=impl))
+    got, want = fn("ffi")(x, x_sf, rows, s), fn("reference")(x, x_sf, rows, s)
+    for g, w in zip(got, want):
+      assert g.dtype == w.dtype and g.shape == w.shape
+      np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
 def _gemm(ops, sizes, impl, out_dtype=jnp.float32):
   fn = jax.jit(lambda *a: grouped_gemm.grouped_gemm_fp8_wgrad(*a, out_dtype=out_dtype, impl=impl))
   return np.asarray(fn(*ops, sizes).astype(jnp.float32))
@@ -123,14 +146,24 @@ def test_wgrad_ffi_non_finite_stays_in_its_group():
 def test_cpp_handlers_check_shapes_when_reached():
   # Shapes the Python checks would refuse, sent to the handlers directly.
   x = jnp.zeros((4, 128), jnp.float32)
+  no_rows = jnp.zeros((0,), jnp.int32)
   out = (jax.ShapeDtypeStruct((128, 384), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((3, 128), jnp.float32),
          jax.ShapeDtypeStruct((3, 2), jnp.int32))
   with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: q_t must be \[C, P\] = \[128, 256\]"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, jnp.zeros((0,), jnp.float32),
-                                        jnp.asarray([4], jnp.int32)))
+                                        no_rows, jnp.asarray([4], jnp.int32)))
   with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: x_sf must be \[0\]"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, jnp.zeros((4, 1), jnp.float32),
-                                        jnp.asarray([1, 3], jnp.int32)))
+                                        no_rows, jnp.asarray([1, 3], jnp.int32)))
+  with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: rows must be \[M\] with M < 2\^31, or \[0\], "
+                                      r"got \[2, 2\]"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, jnp.zeros((0,), jnp.float32),
+                                        jnp.zeros((2, 2), jnp.int32), jnp.asarray([4], jnp.int32)))
+  gathered = (jax.ShapeDtypeStruct((128, 384), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((3, 128), jnp.float32),
+              jax.ShapeDtypeStruct((3, 2), jnp.int32))  # 200 gathered rows in 2 groups: P = 256 + 256
+  with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: q_t must be \[C, P\] = \[128, 512\]"):
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", gathered, x, jnp.zeros((0,), jnp.float32),
+                                        jnp.zeros((200,), jnp.int32), jnp.asarray([100, 100], jnp.int32)))
   a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
   out = (jax.ShapeDtypeStruct((1, 128, 128), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8))
   with pytest.raises(Exception, match=r"grouped_gemm_fp8_wgrad: b_t must be \[Nb, P\] with P = 256"):

@@ -124,16 +124,18 @@ ffi::Error CheckQuantizeWeight(const ffi::AnyBuffer& w, const ffi::Result<ffi::A
   return ffi::Error::Success();
 }
 
-// quantize_fp8_grouped_kmajor: x [M, C] (bfloat16, float16, float32, or E4M3 with x_sf [M, C/128]; otherwise x_sf
-// is [0]), group_sizes [G] -> q_t [C, P] E4M3, sf_t [P/128, C] float32, blocks [P/128, 2] int32 (per block of 128
-// columns: its first source row and how many rows it holds), P = GroupedKmajorLength(M, G).
+// quantize_fp8_grouped_kmajor: x [R, C] (bfloat16, float16, float32, or E4M3 with x_sf [R, C/128]; otherwise x_sf
+// is [0]), rows [M] int32 (sorted row i is x[rows[i]], a zero row where rows[i] is outside [0, R)) or [0] (M = R,
+// sorted row i is x[i]), group_sizes [G] -> q_t [C, P] E4M3, sf_t [P/128, C] float32, blocks [P/128, 2] int32 (per
+// block of 128 columns: its first sorted row and how many rows it holds), P = GroupedKmajorLength(M, G).
 struct KmajorShape {
-  int64_t m = 0, c = 0, groups = 0, p = 0;
-  bool fp8 = false;
+  int64_t m = 0, r = 0, c = 0, groups = 0, p = 0;
+  bool fp8 = false, gather = false;
 };
 
 ffi::Error CheckQuantizeKmajor(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& x_sf,
-                               const ffi::Buffer<ffi::S32>& group_sizes, const ffi::Result<ffi::AnyBuffer>& q_t,
+                               const ffi::Buffer<ffi::S32>& rows, const ffi::Buffer<ffi::S32>& group_sizes,
+                               const ffi::Result<ffi::AnyBuffer>& q_t,
                                const ffi::Result<ffi::Buffer<ffi::F32>>& sf_t,
                                const ffi::Result<ffi::Buffer<ffi::S32>>& blocks, KmajorShape* s) {
   const auto dt = x.element_type();
@@ -144,14 +146,20 @@ ffi::Error CheckQuantizeKmajor(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F
   s->fp8 = dt == ffi::DataType::F8E4M3FN;
   const auto dims = x.dimensions();
   if (dims.size() != 2 || dims[1] <= 0 || dims[1] % kGroup != 0 || dims[0] > 0x7FFFFFFF) {
-    return InvalidArg(kKmajorOp, "x", "[M, C] with C a positive multiple of 128 and M < 2^31", DimsToString(dims));
+    return InvalidArg(kKmajorOp, "x", "[R, C] with C a positive multiple of 128 and R < 2^31", DimsToString(dims));
   }
-  s->m = dims[0];
+  s->r = dims[0];
   s->c = dims[1];
+  const auto r_dims = rows.dimensions();
+  if (r_dims.size() != 1 || r_dims[0] > 0x7FFFFFFF) {
+    return InvalidArg(kKmajorOp, "rows", "[M] with M < 2^31, or [0]", DimsToString(r_dims));
+  }
+  s->gather = r_dims[0] > 0;
+  s->m = s->gather ? r_dims[0] : s->r;
   const auto sf_dims = x_sf.dimensions();
-  if (s->fp8 ? (sf_dims.size() != 2 || sf_dims[0] != s->m || sf_dims[1] != s->c / kGroup)
+  if (s->fp8 ? (sf_dims.size() != 2 || sf_dims[0] != s->r || sf_dims[1] != s->c / kGroup)
              : (sf_dims.size() != 1 || sf_dims[0] != 0)) {
-    return InvalidArg(kKmajorOp, "x_sf", s->fp8 ? "[M, C/128] = [" + std::to_string(s->m) + ", " +
+    return InvalidArg(kKmajorOp, "x_sf", s->fp8 ? "[R, C/128] = [" + std::to_string(s->r) + ", " +
                                                       std::to_string(s->c / kGroup) + "] (x is float8_e4m3fn)"
                                                 : std::string("[0] (x is not float8_e4m3fn)"),
                       DimsToString(sf_dims));
@@ -376,7 +384,13 @@ void GroupedKmajorBlocks(const int32_t* sizes, int64_t groups, int64_t rows, int
 // q_t and sf_t of the K-major layout from the rows read by load(row, column): each block of 128 columns and each
 // column c of x is one group of the rule (padding counts as 0 and stays code 0).
 template <typename Load>
-void QuantizeKmajorBlocks(Load load, const KmajorShape& s, const int32_t* blocks, uint8_t* q_t, float* sf_t) {
+void QuantizeKmajorBlocks(Load load_x, const KmajorShape& s, const int32_t* gather, const int32_t* blocks,
+                          uint8_t* q_t, float* sf_t) {
+  // Sorted row i is x[gather[i]] (a zero row outside [0, R)), or x[i] without a gather.
+  auto load = [&](int64_t i, int64_t c) {
+    const int64_t src = gather == nullptr ? i : gather[i];
+    return src < 0 || src >= s.r ? 0.0f : load_x(src, c);
+  };
   std::vector<float> rows(static_cast<size_t>(kGroup * s.c));
   float v[kGroup];
   uint8_t codes[kGroup];
@@ -394,12 +408,13 @@ void QuantizeKmajorBlocks(Load load, const KmajorShape& s, const int32_t* blocks
   }
 }
 
-ffi::Error QuantizeFp8GroupedKmajorCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_sf,
+ffi::Error QuantizeFp8GroupedKmajorCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> rows,
                                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
                                            ffi::Result<ffi::Buffer<ffi::F32>> sf_t,
                                            ffi::Result<ffi::Buffer<ffi::S32>> blocks) {
   KmajorShape s;
-  if (auto err = CheckQuantizeKmajor(x, x_sf, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
+  if (auto err = CheckQuantizeKmajor(x, x_sf, rows, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
+  const int32_t* gather = s.gather ? rows.typed_data() : nullptr;
   int32_t* table = blocks->typed_data();
   GroupedKmajorBlocks(group_sizes.typed_data(), s.groups, s.m, s.p, table);
   auto* q = reinterpret_cast<uint8_t*>(q_t->untyped_data());
@@ -408,17 +423,17 @@ ffi::Error QuantizeFp8GroupedKmajorCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F3
   switch (x.element_type()) {
     case ffi::DataType::BF16: {
       const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
-      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return Bf16BitsToFloat(p[r * c + k]); }, s, table, q, sf);
+      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return Bf16BitsToFloat(p[r * c + k]); }, s, gather, table, q, sf);
       break;
     }
     case ffi::DataType::F16: {
       const auto* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
-      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return F16ToFloat(p[r * c + k]); }, s, table, q, sf);
+      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return F16ToFloat(p[r * c + k]); }, s, gather, table, q, sf);
       break;
     }
     case ffi::DataType::F32: {
       const auto* p = reinterpret_cast<const float*>(x.untyped_data());
-      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return p[r * c + k]; }, s, table, q, sf);
+      QuantizeKmajorBlocks([p, c](int64_t r, int64_t k) { return p[r * c + k]; }, s, gather, table, q, sf);
       break;
     }
     default: {  // E4M3 codes, decoded with their 1x128 scales: code * scale in float32
@@ -427,7 +442,7 @@ ffi::Error QuantizeFp8GroupedKmajorCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F3
       const int64_t groups_per_row = c / kGroup;
       QuantizeKmajorBlocks([p, c, scale, groups_per_row](int64_t r, int64_t k) {
         return E4m3ToFloat(p[r * c + k]) * scale[r * groups_per_row + k / kGroup];
-      }, s, table, q, sf);
+      }, s, gather, table, q, sf);
       break;
     }
   }
@@ -492,19 +507,21 @@ ffi::Error QuantizeFp8WeightWithTransposeCudaImpl(cudaStream_t stream, int32_t d
   return QuantizeWeightCuda(stream, device, w, w_q, w_sf, &*w_q_t);
 }
 ffi::Error QuantizeFp8GroupedKmajorCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                                            ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> group_sizes,
+                                            ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> rows,
+                                            ffi::Buffer<ffi::S32> group_sizes,
                                             ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> sf_t,
                                             ffi::Result<ffi::Buffer<ffi::S32>> blocks) {
   KmajorShape s;
-  if (auto err = CheckQuantizeKmajor(x, x_sf, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
+  if (auto err = CheckQuantizeKmajor(x, x_sf, rows, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
   InputType type = InputType::kF32;
   if (x.element_type() == ffi::DataType::BF16) type = InputType::kBF16;
   if (x.element_type() == ffi::DataType::F16) type = InputType::kF16;
   ScopedDevice on(device);
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8GroupedKmajor(
-      stream, type, x.untyped_data(), s.fp8 ? x_sf.typed_data() : nullptr, group_sizes.typed_data(), s.groups,
-      reinterpret_cast<uint8_t*>(q_t->untyped_data()), sf_t->typed_data(), blocks->typed_data(), s.m, s.c));
+      stream, type, x.untyped_data(), s.fp8 ? x_sf.typed_data() : nullptr, s.gather ? rows.typed_data() : nullptr,
+      s.r, group_sizes.typed_data(), s.groups, reinterpret_cast<uint8_t*>(q_t->untyped_data()), sf_t->typed_data(),
+      blocks->typed_data(), s.m, s.c));
   return ffi::Error::Success();
 }
 #endif
@@ -576,6 +593,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCpu, jax_moe_a2a:
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()                  // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // x_sf ([0] unless x is E4M3)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // rows ([0]: x's rows in order)
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
                                   .Ret<xla::ffi::AnyBuffer>()                  // q_t
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // sf_t
@@ -588,6 +606,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda, jax_moe_a2a
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // x_sf
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rows
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
                                   .Ret<xla::ffi::AnyBuffer>()                     // q_t
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // sf_t

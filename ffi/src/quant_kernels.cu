@@ -426,6 +426,8 @@ __device__ __forceinline__ float2 LoadPair<uint8_t>(const uint8_t* p) {
 template <typename T>
 __global__ void __launch_bounds__(kKmajorThreads) QuantizeKmajorKernel(const T* __restrict__ x,
                                                                        const float* __restrict__ x_sf,
+                                                                       const int32_t* __restrict__ gather,
+                                                                       int64_t x_rows,
                                                                        const int2* __restrict__ blocks,
                                                                        uint8_t* __restrict__ q_t,
                                                                        float* __restrict__ sf_t, int64_t c,
@@ -438,19 +440,27 @@ __global__ void __launch_bounds__(kKmajorThreads) QuantizeKmajorKernel(const T* 
   const int2 range = blocks[block];  // first source row, rows
   const int row0 = warp * kRows;
 
-  float2 v[kRows];
+  // src[i]: the row of x that sorted row range.x + row0 + i reads, or -1 for a zero row (padding, or a gather
+  // index outside x).
+  int64_t src[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = row0 + i;
-    v[i] = r < range.y ? LoadPair<T>(x + (static_cast<int64_t>(range.x) + r) * c + c0) : make_float2(0.0f, 0.0f);
+    const int64_t sorted = static_cast<int64_t>(range.x) + r;
+    const int64_t s = r >= range.y ? -1 : gather == nullptr ? sorted : gather[sorted];
+    src[i] = s >= 0 && s < x_rows ? s : -1;
+  }
+  float2 v[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    v[i] = src[i] >= 0 ? LoadPair<T>(x + src[i] * c + c0) : make_float2(0.0f, 0.0f);
   }
   if constexpr (std::is_same_v<T, uint8_t>) {
     const int64_t groups_per_row = c / kGroup;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int r = row0 + i;
-      if (r < range.y) {
-        const float s = x_sf[(static_cast<int64_t>(range.x) + r) * groups_per_row + c0 / kGroup];
+      if (src[i] >= 0) {
+        const float s = x_sf[src[i] * groups_per_row + c0 / kGroup];
         v[i].x = __fmul_rn(v[i].x, s);
         v[i].y = __fmul_rn(v[i].y, s);
       }
@@ -539,8 +549,9 @@ cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const v
 }
 
 cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, const void* x, const float* x_sf,
-                                           const int32_t* group_sizes, int64_t num_groups, uint8_t* q_t,
-                                           float* sf_t, int32_t* blocks, int64_t m, int64_t c) {
+                                           const int32_t* rows, int64_t x_rows, const int32_t* group_sizes,
+                                           int64_t num_groups, uint8_t* q_t, float* sf_t, int32_t* blocks, int64_t m,
+                                           int64_t c) {
   const int64_t p = GroupedKmajorLength(m, num_groups);
   const int64_t num_blocks = p / kGroup;
   if (c % kGroup != 0 || c / kKmajorCols > 65535 || num_blocks > 0x7FFFFFFF || m > 0x7FFFFFFF) {
@@ -551,14 +562,14 @@ cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, 
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / kKmajorCols));
   if (x_sf != nullptr) {
-    QuantizeKmajorKernel<uint8_t><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const uint8_t*>(x), x_sf, table,
-                                                                       q_t, sf_t, c, p);
+    QuantizeKmajorKernel<uint8_t><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const uint8_t*>(x), x_sf, rows,
+                                                                       x_rows, table, q_t, sf_t, c, p);
     return cudaGetLastError();
   }
   return WithInputType(type, [&](auto tag) {
     using T = decltype(tag);
-    QuantizeKmajorKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), nullptr, table, q_t, sf_t,
-                                                                 c, p);
+    QuantizeKmajorKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), nullptr, rows, x_rows,
+                                                                 table, q_t, sf_t, c, p);
     return cudaGetLastError();
   });
 }

@@ -22,13 +22,15 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
                                     uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k);
 
-// Grouped K-major quantization (quant.quantize_fp8_grouped_kmajor): x [m, c] rows sorted by group (c % 128 == 0),
-// of `type`, or E4M3 codes decoded with their 1x128 scales x_sf [m, c/128] when x_sf is not null (type is then
+// Grouped K-major quantization (quant.quantize_fp8_grouped_kmajor): m rows sorted by group, row i being x[rows[i]]
+// (a zero row where rows[i] is outside [0, x_rows)) or, when rows is null, x[i]; x [x_rows, c] (c % 128 == 0) of
+// `type`, or E4M3 codes decoded with their 1x128 scales x_sf [x_rows, c/128] when x_sf is not null (type is then
 // ignored) -> q_t [c, p] E4M3 bytes and sf_t [p/128, c] float32, p = GroupedKmajorLength(m, num_groups); blocks
-// [p/128, 2] int32 receives each 128-column block's first source row and row count. group_sizes stays on the
+// [p/128, 2] int32 receives each 128-column block's first sorted row and row count. group_sizes stays on the
 // device (two launches: the block table, then the quantization).
 cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, const void* x, const float* x_sf,
-                                           const int32_t* group_sizes, int64_t num_groups, uint8_t* q_t,
-                                           float* sf_t, int32_t* blocks, int64_t m, int64_t c);
+                                           const int32_t* rows, int64_t x_rows, const int32_t* group_sizes,
+                                           int64_t num_groups, uint8_t* q_t, float* sf_t, int32_t* blocks, int64_t m,
+                                           int64_t c);
 
 }  // namespace jax_moe_a2a
