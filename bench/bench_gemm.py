@@ -18,6 +18,7 @@ Methods:
   fp8_wgrad        jax_moe_a2a_grouped_gemm_fp8_wgrad: the weight gradient dW[g] = dy_g^T x_g [G, N, K] float32
                    from dy [G*rows, N] and x [G*rows, K] in K-major 128x1 FP8 (quant.quantize_fp8_grouped_kmajor,
                    outside the timed region); the same 2 * rows * N * K FLOPs per group
+  fp8_wgrad_bf16   the same with a bfloat16 dW (what bfloat16 parameters take)
 
   python bench/bench_gemm.py [--groups 32 8] [--rows 128 512 1024 4096] [--methods ...] [--out DIR]
   python bench/bench_gemm.py --plot bench/results/gemm_<date>.json     (plot a result file)
@@ -41,7 +42,8 @@ from common import plot_if_possible, positive_int, save_plot, time_per_call, wri
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
 METHODS = ("fp8_contiguous", "fp8_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_mgpu",
-           "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt", "fp8_wgrad")
+           "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt", "fp8_wgrad",
+           "fp8_wgrad_bf16")
 SHAPES = ((4096, 7168), (7168, 2048))  # (N, K): gate/up-like and down-like projections of DeepSeek-V3
 MGPU_CONFIGS = (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
                 dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1),
@@ -109,6 +111,8 @@ def _one(method, g, rows, n, k, wts, act, sizes, mgpu_config=None):
     return (y * (act["xs"] * wts["ws_dense"])).astype(jnp.bfloat16)
   if method == "fp8_wgrad":
     return grouped_gemm.grouped_gemm_fp8_wgrad(*act["wgrad"], sizes, impl="ffi")
+  if method == "fp8_wgrad_bf16":
+    return grouped_gemm.grouped_gemm_fp8_wgrad(*act["wgrad"], sizes, out_dtype=jnp.bfloat16, impl="ffi")
   raise ValueError(method)
 
 
@@ -211,7 +215,8 @@ def _run(args, results, checks, failed):
       for rows in args.rows:
         flops = 2.0 * g * rows * n * k
         sizes = jnp.full((g,), rows, jnp.int32)
-        sets = [_inputs(jax.random.key(1000 * s + g + rows), g, rows, n, k, args.calls, "fp8_wgrad" in args.methods)
+        sets = [_inputs(jax.random.key(1000 * s + g + rows), g, rows, n, k, args.calls,
+                        any(m.startswith("fp8_wgrad") for m in args.methods))
                 for s in range(2)]
         diffs = _check(g, rows, n, k, sets[0][0], sets[0][1][0], sizes)
         checks.append({"n": n, "k": k, "groups": g, "rows_per_group": rows, "calc_diff": diffs})
