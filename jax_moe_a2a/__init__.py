@@ -28,7 +28,7 @@ _PUBLIC = {
     "MoEConfig": "moe", "init_params": "moe", "param_specs": "moe", "param_shapes": "moe", "moe_apply": "moe",
     "make_workspace": "moe", "moe_dense_reference": "moe",
     # Flax, and Hugging Face checkpoints
-    "MoE": "flax_moe", "LinenMoE": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
+    "MoE": "flax_moe", "LinenMoE": "flax_moe", "jit_apply": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
     "load_hf_layer": "checkpoints",
     # the exchange
     "Workspace": "workspace", "dispatch": "a2a", "combine": "a2a", "dispatch_two_level": "two_level",
