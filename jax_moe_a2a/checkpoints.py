@@ -271,6 +271,22 @@ def _dtype_of(v: Any):
     return d
 
 
+def _cast(a: np.ndarray, dtype: Any) -> np.ndarray:
+  """``a.astype(dtype)`` rounded once, to nearest even. Some ml_dtypes versions cast float64 to bfloat16 through
+  float32, rounding twice (1 + 2^-8 + 2^-30 becomes 1, not 1 + 2^-7); going through float32 rounded to odd
+  (truncated, the last bit set where bits were dropped) gives the correctly rounded result for any target of at
+  most 22 significand bits."""
+  a, dtype = np.asarray(a), np.dtype(dtype)
+  if a.dtype != np.float64 or dtype.itemsize >= 4:
+    return a.astype(dtype)
+  with np.errstate(over="ignore", invalid="ignore"):
+    t = a.astype(np.float32)
+    t = np.where(np.abs(t) > np.abs(a), np.nextafter(t, np.float32(0)), t)  # toward zero (a finite)
+    odd = (t.view(np.uint32) | np.uint32(1)).view(np.float32)
+    t = np.where(np.isfinite(a) & (t != a), odd, t)
+    return t.astype(dtype)
+
+
 def _blocks(n: int) -> int:
   return -(-n // quant.FP8_BLOCK)
 
@@ -410,7 +426,7 @@ class _Layer:
     key = f"{self.prefix}{name}.weight"
     w = np.asarray(self.tensors[key])
     if not fp8:
-      return w.astype(dtype)
+      return _cast(w, dtype)
     return (w.astype(np.float32) * _expand_blocks(self._scales(key), *w.shape)).astype(dtype)
 
   def _fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -455,7 +471,7 @@ class _Layer:
     if param == "router":
       out = self._dense("gate", self.fp8["router"], dtype).T
     elif param == "router_bias":
-      out = np.asarray(self.tensors[self.prefix + "gate.e_score_correction_bias"]).astype(dtype)
+      out = _cast(self.tensors[self.prefix + "gate.e_score_correction_bias"], dtype)
     elif param in ("shared_w_gate_up", "shared_w_down"):
       m, (g8, u8, d8) = self.shared_module, self.fp8["shared"]
       out = (np.concatenate([self._dense(f"{m}.gate_proj", g8, dtype), self._dense(f"{m}.up_proj", u8, dtype)])
