@@ -271,6 +271,8 @@ def test_quant_reexports_the_mx_functions_and_dispatches_to_them():
 
 def test_ffi_under_shard_map():
   """Each device quantizes its own rows with its own global scale (the calls run on every simulated device)."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices: the check is that each derives its own global scale")
   mesh = jax.make_mesh((len(jax.devices()),), ("x",))
   spec = jax.sharding.PartitionSpec("x")
   x = jax.device_put(_inputs(8 * len(jax.devices()), 256, jnp.bfloat16, 16, 7),
