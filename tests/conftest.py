@@ -40,6 +40,14 @@ def devices(n: int) -> list:
   return have[:n]
 
 
+def skip_without_one_sided_backward() -> None:
+  """Skips a test that differentiates through the one-sided calls on CPU devices where the package refuses that
+  (`workspace.check_one_sided_backward`: XLA:CPU of jax 0.11 crashes the process compiling such programs)."""
+  from jax_moe_a2a import workspace  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == "cpu" and not workspace.cpu_compiles_one_sided_backward():
+    pytest.skip(f"the one-sided calls' backward is refused on XLA:CPU of jax {jax.__version__} (it crashes compiling)")
+
+
 def run_workers(script: str, num_processes: int, env: dict, timeout_s: float) -> None:
   """Runs ``tests/<script> PROCESS_ID NUM_PROCESSES PORT`` once per process (a jax.distributed job on a free local
   port, this checkout's package first on the path, `env` over this environment) and asserts that each exits 0

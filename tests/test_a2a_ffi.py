@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import skip_without_one_sided_backward
 from jax_moe_a2a import _ffi, a2a, layout, quant
 from jax_moe_a2a.wire import wire_dispatch
 
@@ -347,6 +348,7 @@ def test_independent_calls_of_equal_shapes_pair_up_by_call():
 @pytest.mark.parametrize("combine_dtype,training,one_sided_combine_vjp",
                          [(jnp.bfloat16, False, True), (jnp.float32, False, False), (jnp.float32, True, True)])
 def test_gradients_match_the_reference(combine_dtype, training, one_sided_combine_vjp):
+  skip_without_one_sided_backward()
   mesh = _mesh()
   num_ranks, num_tokens, hidden, top_k = mesh.shape[AXIS], 6, 16, 3
   num_experts = 2 * num_ranks
@@ -622,6 +624,7 @@ def test_moe_apply_with_a_workspace_equals_the_reference(wire):
   itself checked against the dense oracle in test_moe.py), with one expert group per data index, within float32
   rounding: XLA compiles the two programs' expert matmuls and the weighted sum's fusions apart, one ulp apart at most
   seen (the exchanges themselves are bit-exact: test_wire_dispatch_vjp_with_a_workspace_equals_the_reference)."""
+  skip_without_one_sided_backward()
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
   data = 2 if n >= 4 else 1
@@ -654,6 +657,7 @@ def test_moe_training_gradients_with_a_workspace_equal_the_reference(wire_format
   combine after it. Its cotangent is known from the start, so without its `after` operand (the forward combine's
   result) XLA:CPU could start it on some devices while others wait in the data axis's all-reduce: every device
   would wait for another."""
+  skip_without_one_sided_backward()
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   # Bit for bit needs the same expert GEMMs on both sides: the reference's "auto" must resolve as impl="ffi" does.
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
