@@ -8,6 +8,7 @@ import sys
 import jax
 import pytest
 
+from conftest import skip_without_one_sided_backward
 from jax_moe_a2a import _ffi
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -24,6 +25,7 @@ def _import_bench(name):
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
+  skip_without_one_sided_backward()
   bench_a2a = _import_bench("bench_a2a")
   assert bench_a2a.main(["--tokens", "3", "--formats", "bf16", "fp8_blockwise", "--hidden", "256", "--experts", "16",
                          "--top-k", "2", "--chain", "2", "--runs", "2", "--vjp", "--out", str(tmp_path)]) == 0
@@ -110,6 +112,7 @@ def test_kernel_busy_us_is_the_slowest_devices_time_in_the_named_kernels_per_cal
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
+  skip_without_one_sided_backward()
   bench_layer = _import_bench("bench_layer")
   variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_fp8bwd", "fp8_stored", "fp8_ws_2l"]
   assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",

@@ -17,7 +17,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import devices
+from conftest import devices, skip_without_one_sided_backward
 from jax_moe_a2a import _ffi, flax_moe, moe
 
 HIDDEN = 256
@@ -128,6 +128,7 @@ def test_workspace_auto_takes_the_twin_on_cpu_and_on_takes_the_one_sided_calls_w
   """On CPU "auto" keeps the twin's collectives; "on" makes (once) and uses a workspace; both give the same y and
   gradients (the one-sided calls move the same bits; the GEMMs are the same). Without $JAX_MOE_A2A_IMPL, which
   would turn config.impl="auto" into the twin everywhere."""
+  skip_without_one_sided_backward()
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
   config, mesh, x = _setup()
   config = dataclasses.replace(config, impl="auto")
@@ -366,6 +367,7 @@ def test_gpu_fast_calls_take_the_one_sided_calls_with_moe_apply_bits(monkeypatch
 
 
 def test_bench_layer_runs_every_flax_variant(tmp_path):
+  skip_without_one_sided_backward()
   sys.path.insert(0, BENCH)
   try:
     bench_layer = importlib.import_module("bench_layer")

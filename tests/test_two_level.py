@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import devices
+from conftest import devices, skip_without_one_sided_backward
 from jax_moe_a2a import _ffi, a2a, flax_moe, moe
 from jax_moe_a2a.testing import calc_diff, max_rel
 from jax_moe_a2a.two_level import combine_two_level, dispatch_two_level
@@ -161,6 +161,7 @@ def _grads(mesh, num_experts, *, two_level, workspace=None, impl="auto"):
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_gradients_match_the_flat_path_and_the_one_sided_calls_the_reference(shape):
+  skip_without_one_sided_backward()
   num_experts = 8 * LOCAL_EXPERTS
   mesh = _mesh(shape)
   x, ids, w = _inputs(4, num_experts)
@@ -202,6 +203,8 @@ def _layer_run(config, mesh, workspace):
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("with_workspace", [False, True])
 def test_layer_matches_the_oracle(shape, with_workspace):
+  if with_workspace:
+    skip_without_one_sided_backward()
   config = _layer_config()
   mesh = _mesh(shape)
   ws = moe.make_workspace(config, mesh, test_moe.TOKENS, training=True) if with_workspace else None
@@ -218,6 +221,7 @@ def test_layer_matches_the_oracle(shape, with_workspace):
 
 
 def test_layer_with_fp8_wire_and_fp8_experts():
+  skip_without_one_sided_backward()
   config = _layer_config(wire_format="fp8_blockwise", expert_precision="fp8", dtype=jnp.bfloat16)
   mesh = _mesh((2, 4))
   with moe.make_workspace(config, mesh, test_moe.TOKENS, training=True) as ws:
@@ -226,9 +230,35 @@ def test_layer_with_fp8_wire_and_fp8_experts():
     ws.check()
 
 
+@pytest.mark.parametrize("with_workspace", [False, True])
+@pytest.mark.parametrize("wire_format", ["mxfp8", "nvfp4"])
+def test_layer_on_a_microscaled_wire_matches_the_oracle_and_the_flat_layer(wire_format, with_workspace):
+  """MXFP8 and NVFP4 rows cross nodes and fan out inside them as any payload does: on the one-sided calls and the
+  quantization custom calls (impl="ffi", a workspace over the local axis) or on the references, the layer is within
+  the format's limit of the oracle (test_moe's docstring). On the references it equals the flat layer over the same
+  ranks up to float32 regrouping: the same decoded rows (NVFP4: the same global scale for every rank of both axes)."""
+  if with_workspace:
+    pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+  config = _layer_config(wire_format=wire_format, impl="ffi" if with_workspace else "reference")
+  mesh = _mesh((2, 4))
+  ws = moe.make_workspace(config, mesh, test_moe.TOKENS, training=True) if with_workspace else None
+  try:
+    got, want = _layer_run(config, mesh, ws)
+  finally:
+    if ws is not None:
+      ws.check()
+      ws.close()
+  test_moe._assert_calc_diff(got, want, test_moe.WIRE_CALC_DIFF[wire_format][0])  # pylint: disable=protected-access
+  if not with_workspace:
+    flat, _ = _layer_run(dataclasses.replace(config, two_level=False), mesh, None)
+    for a, b in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((flat[0], flat[2]))):
+      assert max_rel(a, b) <= 1e-6
+
+
 def test_one_node_gives_the_flat_layers_bits():
   """A node axis of size 1: the node level moves every token to itself and each partial sum is the whole sum, so
   the two-level layer equals the flat one bit for bit, forward and gradients (one-sided calls on CPU)."""
+  skip_without_one_sided_backward()
   mesh = _mesh((1, 8))
   two = _layer_config(wire_format="fp8_blockwise", dtype=jnp.bfloat16)
   flat = dataclasses.replace(two, two_level=False)
