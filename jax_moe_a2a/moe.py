@@ -7,10 +7,10 @@ Per shard, in order (each stage under its own `jax.named_scope`):
    no rank routes or computes a replicated token twice (docs/DESIGN.md §1.4).
 2. ``router``: float32 logits ``x @ router`` and `routing.route` (softmax top-k or DeepSeek-V3 grouped sigmoid).
 3. ``aux``: the load-balance loss and the per-expert load, summed over every axis that holds distinct tokens.
-4. ``wire`` (`wire.wire_dispatch`): the activations are cast to the wire format (bf16, or E4M3 with one FP32
-   scale per 1x128 group), dispatched over `expert_axis` with `a2a.dispatch`, and decoded to the compute dtype at
-   the receiver (FP8 experts on an FP8 wire compute from the received codes themselves; the decoded rows carry
-   the gradient).
+4. ``wire`` (`wire.wire_dispatch`): the activations are encoded in the wire format (bf16; E4M3 with one FP32 scale
+   per 1x128 group; MXFP8; NVFP4 with the exchange's global scale), dispatched over `expert_axis` with
+   `a2a.dispatch`, and decoded to the compute dtype at the receiver (FP8 experts on the fp8_blockwise wire compute
+   from the received codes themselves; the decoded rows carry the gradient).
 5. ``experts``: `experts.expert_stage` with this rank's experts (permute, grouped SwiGLU, weighted un-permute).
 6. ``moe_combine``: `a2a.combine` sums each token's weighted expert outputs in float32 (rounded once, to x's
    dtype when no shared experts follow).
@@ -97,12 +97,17 @@ class MoEConfig:
   Attributes:
     num_experts: routed experts in the layer.
     top_k: experts per token, ``1 <= top_k <= num_experts``.
-    hidden: model width H (a multiple of 128 for the fp8_blockwise wire).
+    hidden: model width H (a multiple of the wire format's block: 128 for fp8_blockwise, 32 for mxfp8, 16 for
+      nvfp4).
     ffn: intermediate width of one routed expert.
     router_kind: ``"softmax"`` (softmax top-k) or ``"deepseek_v3"`` (sigmoid, correction bias, grouped top-k).
     n_group, topk_group, renormalize, routed_scaling_factor: the router's settings, see `routing.RouterConfig`.
-    wire_format: how activations travel to the experts: ``"bf16"``, or ``"fp8_blockwise"`` (E4M3 with one FP32
-      scale per 1x128 group; payload bytes from `layout.dispatch_layout`).
+    wire_format: how activations travel to the experts (`wire.WIRE_FORMATS`; payload bytes from
+      `layout.dispatch_layout`): ``"bf16"``; ``"fp8_blockwise"`` (E4M3, one FP32 scale per 1x128 group; hidden a
+      multiple of 128); ``"mxfp8"`` (E4M3, one E8M0 scale per 1x32 block; hidden a multiple of 32); ``"nvfp4"``
+      (E2M1, one E4M3 scale per 1x16 block and one FP32 global scale per exchange, the pmax of the ranks'
+      `quant_mx.nvfp4_global_scale`; hidden a multiple of 16). The gradient is straight-through for every format
+      (docs/DESIGN.md §1.5).
     token_axes: mesh axes the token dimension of x is sharded over (in this order); x is replicated over the
       others. Empty: tokens replicated everywhere.
     expert_axis: mesh axis, or tuple of axes, that the experts and the dispatch are sharded over.

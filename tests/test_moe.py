@@ -13,6 +13,15 @@ Tolerances, and why:
   half the squared relative error, is ~6.5e-4 for the activations themselves. Outputs and gradients must stay
   below 2e-3 (observed 5e-4 to 8e-4). Gradients are straight-through (tested bit for bit separately), so only
   the forward activations carry quantization error.
+- MXFP8 wire: the same E4M3 codes with a power-of-two (E8M0) scale per 1x32 block instead of per 1x128 group, so
+  the same relative error per value (<= 2^-4) and the same limit, 2e-3 (observed 7.5e-4, as the FP8-blockwise
+  wire's: for values above E4M3's subnormals, a power-of-two scale does not change the rounding).
+- NVFP4 wire: E2M1 keeps one mantissa bit: magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} on a block of 16 scaled to
+  6 (an E4M3 block scale, itself rounded by up to 2^-4), relative steps of 1/3 to 1/2 (e.g. 1 -> 1.5, 4 -> 6) and
+  small values flushed to 0. Gaussian rows come back with an RMS relative error of ~9.5%, calc_diff ~4.5e-3 for the
+  round trip alone; SwiGLU multiplies two projections of the same rows, so the output's error is about twice
+  that (the FP8 wires' 7.5e-4 is likewise twice their 3.5e-4). Outputs and gradients must stay below 3e-2
+  (observed 9e-3 output, 8.5e-3 to 1.3e-2 gradients; with FP8 experts on top, up to 1.4e-2).
 - FP8 experts (``expert_precision="fp8"``): the experts' input rows and their SwiGLU activations are quantized
   1x128, and float weights 128x128 (FP8 weights are the oracle's own): two or three quantizations of ~6.5e-4 each, so
   outputs and gradients must stay below 4e-3 (observed ~2e-3 with float weights).
@@ -39,6 +48,12 @@ HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 16, 4, 64
 F32_TOL = 2e-5  # max |err| / max |ref| with float32 compute
 FP8_CALC_DIFF = 2e-3
 FP8_EXPERTS_CALC_DIFF = 4e-3
+NVFP4_CALC_DIFF = 3e-2
+# The limit of each wire format's calc_diff against the float32 oracle (the module docstring says why), with bf16
+# experts and with FP8 experts.
+WIRE_CALC_DIFF = {"fp8_blockwise": (FP8_CALC_DIFF, FP8_EXPERTS_CALC_DIFF),
+                  "mxfp8": (FP8_CALC_DIFF, FP8_EXPERTS_CALC_DIFF),
+                  "nvfp4": (NVFP4_CALC_DIFF, NVFP4_CALC_DIFF)}
 BF16_CALC_DIFF, BF16_TOL = 1e-4, 3e-2
 
 
@@ -112,10 +127,10 @@ def _oracle_fn(config):
   return _value_and_grads(lambda p, x: moe.moe_dense_reference(p, x, config))
 
 
-def _run(config, mesh, **kw):
+def _run(config, mesh, workspace=None, **kw):
   """(moe_apply results, oracle results), each (y, aux, grads) as NumPy."""
   params, x, ct = _inputs(config, mesh, **kw)
-  got = _value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x, ct)
+  got = _value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace))(params, x, ct)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   # The oracle depends on neither mesh nor wire nor compute dtype: share its compilation between tests.
   oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
@@ -250,6 +265,37 @@ def test_fp8_wire_and_fp8_weights():
   assert max_rel(got[0], want[0]) > 1e-4
 
 
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize("wire_format", ["mxfp8", "nvfp4"])
+def test_every_wire_format_matches_the_oracle(wire_format, impl):
+  """The microscaled wires through the layer: with impl="ffi" the quantization custom calls and the one-sided
+  dispatch/combine (a workspace; the CPU handlers), with "reference" the pure-JAX twins and all_to_all. Output and
+  every gradient within the format's limit of the float32 oracle (module docstring), and the wire really lossy."""
+  if impl == "ffi":
+    pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+  config, mesh = _config(wire_format=wire_format, impl=impl), _mesh((2, 4), ("data", "expert"))
+  ws = moe.make_workspace(config, mesh, TOKENS, training=True) if impl == "ffi" else None
+  try:
+    got, want = _run(config, mesh, workspace=ws)
+  finally:
+    if ws is not None:
+      ws.check()
+      ws.close()
+  _assert_calc_diff(got, want, WIRE_CALC_DIFF[wire_format][0])
+  assert max_rel(got[0], want[0]) > 1e-4
+  if wire_format == "nvfp4":  # four bits: more error than an FP8 wire can have
+    assert calc_diff(got[0], want[0]) > FP8_CALC_DIFF
+
+
+@pytest.mark.parametrize("wire_format", ["mxfp8", "nvfp4"])
+def test_fp8_experts_on_a_microscaled_wire(wire_format):
+  """FP8 experts get the decoded MXFP8/NVFP4 rows and quantize them 1x128 themselves."""
+  config = _config(wire_format=wire_format, expert_precision="fp8")
+  got, want = _run(config, _mesh((4, 2), ("data", "expert")))
+  _assert_calc_diff(got, want, WIRE_CALC_DIFF[wire_format][1])
+  assert max_rel(got[0], want[0]) > 1e-4
+
+
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 @pytest.mark.parametrize("fp8_weights", [False, True])
 def test_fp8_experts_on_the_grouped_gemm(impl, fp8_weights):
@@ -316,7 +362,7 @@ def test_bf16_compute():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("wire_format", ["bf16", "fp8_blockwise"])
+@pytest.mark.parametrize("wire_format", ["bf16", "fp8_blockwise", "mxfp8", "nvfp4"])
 def test_backward_adds_two_exchanges_and_no_dispatch(wire_format):
   """The backward pass is one combine for the wire and one dispatch-shaped exchange for the combine's VJP."""
   config = _config(wire_format=wire_format)
@@ -328,8 +374,8 @@ def test_backward_adds_two_exchanges_and_no_dispatch(wire_format):
 
   forward = count(lambda p, x: moe.moe_apply(p, x, config, mesh)[0])
   backward = count(jax.grad(lambda p, x: jnp.sum(moe.moe_apply(p, x, config, mesh)[0]), argnums=(0, 1)))
-  # dispatch: x (+ scales for fp8), ids, weights, counts; combine: 1.
-  assert forward == (6 if wire_format == "fp8_blockwise" else 5)
+  # dispatch: x (+ scales, but for bf16), ids, weights, counts; combine: 1. NVFP4's global scale is a pmax.
+  assert forward == (5 if wire_format == "bf16" else 6)
   assert backward == forward + 2
 
 
@@ -398,7 +444,11 @@ def test_init_params_shapes_and_shardings(fp8_weights):
     (dict(top_k=17), "MoEConfig: top_k must be <= num_experts=16, got 17"),
     (dict(top_k=0), "MoEConfig: top_k must be a positive int, got 0"),
     (dict(hidden=200, wire_format="fp8_blockwise"), "hidden=200 does not fit wire_format 'fp8_blockwise'"),
-    (dict(wire_format="nvfp4"), "wire_format must be one of bf16, fp8_blockwise, got 'nvfp4'"),
+    (dict(hidden=208, wire_format="mxfp8"), "hidden=208 does not fit wire_format 'mxfp8': dispatch_layout: mxfp8 "
+                                            "needs hidden % 32 == 0 or an mx_alignment, got hidden=208"),
+    (dict(hidden=200, wire_format="nvfp4"), "hidden=200 does not fit wire_format 'nvfp4': dispatch_layout: nvfp4 "
+                                            "needs hidden % 16 == 0, got hidden=200"),
+    (dict(wire_format="fp4"), "wire_format must be one of bf16, fp8_blockwise, mxfp8, nvfp4, got 'fp4'"),
     (dict(sequence_parallel=True), "sequence_parallel=True needs tp_axis"),
     (dict(tp_axis="data"), "tp_axis must not be one of token_axes"),
     (dict(expert_axis=("expert", "expert")), "expert_axis must not repeat an axis"),
