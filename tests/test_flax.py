@@ -194,6 +194,30 @@ def test_functions_jitted_before_close_workspaces_make_new_workspaces(monkeypatc
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+@pytest.mark.parametrize("wire_format", ["mxfp8", "nvfp4"])
+def test_layers_on_a_microscaled_wire_equal_moe_apply(monkeypatch, wire_format):
+  """The Flax layers take the config's wire format as it is: NNX with workspace="on" makes a workspace sized for the
+  format and equals moe_apply on it, Linen equals moe_apply without one, bit for bit."""
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the reference
+  flax_moe.close_workspaces()
+  config, mesh, x = _setup()
+  config = dataclasses.replace(config, wire_format=wire_format, impl="auto")
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
+  y = nnx.jit(lambda layer, x: layer(x)[0])(layer, x)
+  (ws,) = flax_moe._workspaces.values()  # pylint: disable=protected-access
+  assert ws.layout.dispatch.fmt == wire_format
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(moe.moe_apply(layer.params(), x, config, mesh,
+                                                                        workspace=ws)[0]))
+  ws.check()
+  flax_moe.close_workspaces()
+  linen = flax_moe.LinenMoE(config=config, mesh=mesh, workspace="off")
+  variables = linen.init(jax.random.key(0), x)
+  y = jax.jit(linen.apply)(variables, x)[0]
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(moe.moe_apply(nn.unbox(variables)["params"], x, config,
+                                                                        mesh)[0]))
+
+
 def test_modules_reject_an_unknown_workspace_mode():
   config, mesh, x = _setup()
   with pytest.raises(ValueError, match=r"MoE: workspace must be one of 'auto', 'on', 'off', None \(as 'off'\) or "

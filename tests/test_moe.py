@@ -40,7 +40,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import devices
+from conftest import devices, skip_without_one_sided_backward
 from jax_moe_a2a import expert_mlp, moe, routing
 from jax_moe_a2a.testing import calc_diff, max_rel
 
@@ -273,6 +273,7 @@ def test_every_wire_format_matches_the_oracle(wire_format, impl):
   every gradient within the format's limit of the float32 oracle (module docstring), and the wire really lossy."""
   if impl == "ffi":
     pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+    skip_without_one_sided_backward()
   config, mesh = _config(wire_format=wire_format, impl=impl), _mesh((2, 4), ("data", "expert"))
   ws = moe.make_workspace(config, mesh, TOKENS, training=True) if impl == "ffi" else None
   try:

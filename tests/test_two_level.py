@@ -239,6 +239,7 @@ def test_layer_on_a_microscaled_wire_matches_the_oracle_and_the_flat_layer(wire_
   ranks up to float32 regrouping: the same decoded rows (NVFP4: the same global scale for every rank of both axes)."""
   if with_workspace:
     pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
+    skip_without_one_sided_backward()
   config = _layer_config(wire_format=wire_format, impl="ffi" if with_workspace else "reference")
   mesh = _mesh((2, 4))
   ws = moe.make_workspace(config, mesh, test_moe.TOKENS, training=True) if with_workspace else None
