@@ -228,7 +228,7 @@ def _check_bench(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-  from jax_moe_a2a import demo  # pylint: disable=import-outside-toplevel  (imports no jax)
+  from jax_moe_a2a import demo, layout  # pylint: disable=import-outside-toplevel  (they import no jax)
 
   parser = argparse.ArgumentParser(prog="python -m jax_moe_a2a", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,7 +257,8 @@ def main(argv=None) -> int:
   pla.add_argument("--top-k", type=experts, default=8)
   pla.add_argument("--experts", type=experts, default=256)
   pla.add_argument("--tokens", type=count, default=4096, help="tokens per GPU")
-  pla.add_argument("--wire", choices=["bf16", "fp8_blockwise"], default="fp8_blockwise")
+  pla.add_argument("--wire", choices=layout.FORMATS, default="fp8_blockwise",
+                   help="wire format of the first table (the second shows every format)")
   pla.add_argument("--nic-gbps", type=demo.float_in(0.001), default=400.0,
                    help="NIC line rate per GPU, Gb/s (assumed)")
   pla.add_argument("--nic-efficiency", type=demo.float_in(0.01, 1.0), default=0.8,

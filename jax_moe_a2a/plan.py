@@ -27,6 +27,11 @@ bf16 rows (2H) on combine's NVLink legs and float32 partial sums (4H) on two-lev
 - One-level exchanges use both links at once (time = the slower leg); two-level runs its legs one after the other
   (dispatch: node leg, then NVLink; combine: NVLink, then node leg), with no overlap between them.
 
+The command also prints the dispatch of every wire format (`wire_format_table`): a format changes the dispatch's
+row (`layout.dispatch_layout`), not combine's (bf16 rows whatever the wire). NVFP4's global scale adds one scalar
+``pmax`` over the expert axis before each dispatch (`wire.exchange_global_scale`): a collective's latency, about
+one NIC latency across nodes, that the model leaves out.
+
 Nothing here imports jax: the numbers are arithmetic on the layout's byte counts.
 """
 
@@ -215,6 +220,29 @@ def format_table(rows: Sequence[tuple[int, int, list[Plan]]]) -> str:
   return "\n".join(lines)
 
 
+def wire_format_table(node_counts: Sequence[int], gpus_per_node: int, **kw) -> str:
+  """A markdown table over the wire formats of `layout.FORMATS` that fit `hidden`: per node count and format, the
+  dispatch row's bytes per token, and per plan the dispatch's bytes per token over the NIC (a GPU's NIC bytes over
+  its tokens) and predicted time. `kw` as for `plans` (but wire_format and mx_alignment)."""
+  hidden, top_k = kw.get("hidden", 7168), kw.get("top_k", 8)
+  fmts = []
+  for fmt in layout.FORMATS:
+    try:
+      fmts.append((fmt, layout.dispatch_layout(hidden, fmt, top_k=top_k).bytes_per_token))
+    except ValueError:
+      continue  # a hidden the format cannot carry: no row
+  names = [p.name for p in plans(nodes=1, gpus_per_node=gpus_per_node, wire_format=fmts[0][0], **kw)] if fmts else []
+  lines = ["| nodes × GPUs | wire | B per token | " + " | ".join(f"{n}: NIC B per token, µs" for n in names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
+  tokens = kw.get("tokens", 4096)
+  for nodes in node_counts:
+    for fmt, row in fmts:
+      ps = plans(nodes=nodes, gpus_per_node=gpus_per_node, wire_format=fmt, **kw)
+      lines.append(f"| {nodes} × {gpus_per_node} | {fmt} | {row} | " + " | ".join(
+          f"{p.bytes('dispatch', 'nic') / tokens:.0f}, {p.dispatch_us:.0f}" for p in ps) + " |")
+  return "\n".join(lines)
+
+
 def calibration_check(runs: Sequence[tuple[str, int, int, float]] = NVLINK_RUNS
                       ) -> list[tuple[str, int, float, float]]:
   """(op, tokens per rank, measured us, predicted us) for measured runs (as in `NVLINK_RUNS`): the model's NVLink
@@ -237,6 +265,11 @@ def run(args) -> int:
         f"{args.wire} wire; NIC {args.nic_gbps:g} Gb/s per GPU at {args.nic_efficiency:g}, "
         f"{args.nic_latency_us:g} us per exchange; NVLink legs fitted to {NVLINK_CALIBRATION}\n")
   print(format_table(table))
+  print("\nDispatch on every wire format (combine's rows are bf16 whatever the wire, its times as above; nvfp4 also "
+        "takes a scalar pmax of its global scale before each dispatch, not in these times):\n")
+  print(wire_format_table(args.nodes, args.gpus_per_node, hidden=args.hidden, top_k=args.top_k,
+                          num_experts=args.experts, tokens=args.tokens, nic_gbps=args.nic_gbps,
+                          nic_efficiency=args.nic_efficiency, nic_latency_us=args.nic_latency_us))
   print(f"\nNVLink legs against the measured 2xH200 runs ({NVLINK_CALIBRATION}):")
   for op, tokens, measured, predicted in calibration_check():
     print(f"  {op:<8} {tokens:>5} tokens per rank: measured {measured:7.1f} us, model {predicted:7.1f} us "

@@ -113,10 +113,32 @@ def _cli(*args):
                         check=False, cwd=ROOT, timeout=60)
 
 
+def test_wire_format_table_has_every_format_that_fits_with_its_plans_bytes_and_times():
+  table = plan.wire_format_table([2, 4], 8, hidden=7168, tokens=1024)
+  rows = [line.split(" | ") for line in table.splitlines()[2:]]
+  assert [(r[0], r[1]) for r in rows] == [(f"| {n} × 8", f) for n in (2, 4) for f in layout.FORMATS]
+  for r in rows:
+    nodes, fmt = int(r[0][2:].split(" ")[0]), r[1]
+    row = layout.dispatch_layout(7168, fmt, top_k=8).bytes_per_token
+    assert int(r[2]) == row
+    ps = plan.plans(nodes=nodes, gpus_per_node=8, tokens=1024, wire_format=fmt)
+    cells = [c.strip(" |").split(", ") for c in r[3:]]
+    assert [(float(b), float(us)) for b, us in cells] == [
+        (round(p.bytes("dispatch", "nic") / 1024), round(p.dispatch_us)) for p in ps]
+    assert float(cells[2][0]) == (nodes - 1) * row  # two-level: a token crosses to each other node once
+  # NVFP4 carries the fewest bytes, bf16 the most; a hidden that only some formats fit lists those.
+  by_fmt = {r[1]: int(r[2]) for r in rows}
+  assert by_fmt["nvfp4"] < by_fmt["mxfp8"] == by_fmt["fp8_blockwise"] < by_fmt["bf16"]
+  assert [line.split(" | ")[1] for line in plan.wire_format_table([2], 8, hidden=48).splitlines()[2:]] == \
+      ["bf16", "nvfp4"]
+
+
 def test_command_prints_the_table_and_the_calibration():
   r = _cli("--nodes", "2", "8")
   assert r.returncode == 0, r.stderr
   assert "| 8 × 8 | two-level ragged |" in r.stdout and "| 2 × 8 | flat all_to_all |" in r.stdout
+  for fmt in layout.FORMATS:
+    assert f"| 8 × 8 | {fmt} | {layout.dispatch_layout(7168, fmt, top_k=8).bytes_per_token} |" in r.stdout
   assert "dispatch  4096 tokens per rank: measured   105.9 us" in r.stdout
 
 
@@ -138,7 +160,8 @@ def test_command_prints_the_table_and_the_calibration():
     (("--gpus-per-node", "x"), "argument --gpus-per-node: must be an int in [1, 9223372036854775807], got 'x'"),
     (("--nic-gbps", "inf"), "argument --nic-gbps: must be a finite float >= 0.001, got 'inf'"),
     (("--nic-latency-us", "-1"), "argument --nic-latency-us: must be a finite float >= 0.0, got '-1'"),
-    (("--wire", "mxfp8"), "argument --wire: invalid choice: 'mxfp8'"),
+    (("--wire", "fp4"), "argument --wire: invalid choice: 'fp4'"),
+    (("--hidden", "200", "--wire", "nvfp4"), "argument --hidden: must be a multiple of 16 for --wire nvfp4, got 200"),
 ])
 def test_command_refuses_bad_options(args, message):
   r = _cli(*args)
