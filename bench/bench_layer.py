@@ -16,7 +16,7 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
                  routing, no exchange), gate/up -> SwiGLU -> down
   twin           the layer with every op on its pure-JAX twin (impl="reference"; bf16 experts)
   bf16           bf16 experts (the default path: the bf16 grouped GEMMs on GPUs), bf16 wire
-  fp8            FP8 experts from the bf16 master weights (gemm_impl="ffi"), fp8_blockwise wire
+  fp8            FP8 experts from the bf16 master weights (expert_precision="fp8"), fp8_blockwise wire
   fp8_dgrad      the same with FP8 data gradients (MoEConfig.expert_backward="fp8_dgrad": the gate/up rows kept
                  in FP8, the weight gradients on bf16 GEMMs)
   fp8_fp8bwd     the same with DeepSeek-V3's whole FP8 backward (expert_backward="fp8": FP8 weight gradients too)
@@ -26,6 +26,11 @@ Variants (all with bfloat16 compute and bfloat16 parameters):
   <variant>_2l   the same dispatched in two levels (MoEConfig.two_level) over ("data", "expert"): the exchange
                  between nodes (here the data axis, of size 1 on one host) on XLA's collectives, then the one inside
                  the node; what two levels cost over the flat path where no token leaves the node
+
+--wire-formats F ... runs each layer variant above (not einsum, not the Flax ones) once per wire format F (bf16,
+fp8_blockwise, mxfp8, nvfp4) in place of its own; a row on another wire than the variant's own is labelled
+``<variant>@<F>`` (e.g. ``bf16@nvfp4``: bf16 experts on an NVFP4 wire). Every layer row records its wire_format and
+wire_bytes_per_token (activation, scales, top-k ids and weights: `layout.dispatch_layout`).
 
 The Flax layers (flax_moe), each on bf16's configuration and program (``_ws``: given the same workspace), so their
 rows differ from bf16's (bf16_ws's) by how the layer is called alone:
@@ -45,7 +50,8 @@ of the same parameters (the layer's routing in float32, every expert run densely
 precision and gated by its routing weight, FP8 weights dequantized): calc_diff = 1 - 2 sum(a b) / sum(a^2 + b^2)
 per tensor, as `accuracy` in the result rows.
 
-  python bench/bench_layer.py [--tokens 4096 16384] [--local-experts 32] [--variants ...] [--out DIR]
+  python bench/bench_layer.py [--tokens 4096 16384] [--local-experts 32] [--variants ...] [--wire-formats ...]
+                              [--check] [--out DIR]
   python bench/bench_layer.py --plot bench/results/layer_<date>.json     (plot a result file)
 """
 
@@ -59,6 +65,7 @@ import signal
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (GpuClocks, plot_if_possible, positive_int, save_plot, time_per_call,  # noqa: E402
                     time_pipelined, write_result)
 
-from jax_moe_a2a import moe  # noqa: E402
+from jax_moe_a2a import layout, moe  # noqa: E402
 from jax_moe_a2a.testing import calc_diff  # noqa: E402
 
 BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_dgrad", "fp8_fp8bwd", "fp8_bf16wire", "fp8_stored")
@@ -88,23 +95,44 @@ STAGES = ("router", "aux", "wire_encode", "moe_dispatch", "wire_decode", "permut
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _config(variant: str, args) -> moe.MoEConfig:
+def _base(variant: str) -> str:
+  """A layer variant without its _2l and _ws suffixes."""
+  base = variant[:-3] if variant.endswith("_2l") else variant
+  return base[:-3] if base.endswith("_ws") else base
+
+
+def own_wire(variant: str) -> str:
+  """The wire format a layer variant runs on unless --wire-formats says otherwise."""
+  return layout.BF16 if _base(variant) in ("bf16", "twin", "fp8_bf16wire") else layout.FP8_BLOCKWISE
+
+
+def _config(variant: str, args, wire_format: Optional[str] = None) -> moe.MoEConfig:
   two_level = variant.endswith("_2l")
-  base = variant[:-3] if two_level else variant
-  base = base[:-3] if base.endswith("_ws") else base
-  fp8 = base.startswith("fp8")
+  base = _base(variant)
   return moe.MoEConfig(
       expert_axis=("data", "expert") if two_level else "expert", two_level=two_level or None,
       num_experts=args.local_experts * jax.device_count(), top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
-      wire_format="bf16" if base in ("bf16", "twin", "fp8_bf16wire") else "fp8_blockwise",
-      fp8_weights=base == "fp8_stored", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-      impl="reference" if base == "twin" else "auto", gemm_impl="ffi" if fp8 else None,
+      wire_format=wire_format or own_wire(variant), fp8_weights=base == "fp8_stored", dtype=jnp.bfloat16,
+      param_dtype=jnp.bfloat16, impl="reference" if base == "twin" else "auto",
+      expert_precision="fp8" if base.startswith("fp8") else "dtype",
       expert_backward={"fp8_fp8bwd": "fp8", "fp8_dgrad": "fp8_dgrad"}.get(base, "bf16"))
 
 
-def _layer_fns(variant: str, args, mesh, tokens: int):
+def runs_of(variants, wire_formats) -> list[tuple[str, str, Optional[str]]]:
+  """(label, variant, wire format or None for the variant's own) of each run: every layer variant once per wire
+  format of `wire_formats` (None or empty: once, on its own), labelled ``<variant>@<format>`` off its own wire."""
+  out = []
+  for v in variants:
+    if v == "einsum" or v in FLAX_VARIANTS or not wire_formats:
+      out.append((v, v, None))
+    else:
+      out.extend((v if f == own_wire(v) else f"{v}@{f}", v, f) for f in wire_formats)
+  return out
+
+
+def _layer_fns(variant: str, args, mesh, tokens: int, wire_format: Optional[str] = None):
   """(forward, forward+backward or None, make inputs, workspace or None) of one layer variant."""
-  config = _config(variant, args)
+  config = _config(variant, args, wire_format)
   num_tokens = tokens * jax.device_count()
   ws = moe.make_workspace(config, mesh, num_tokens, training=True) if "_ws" in variant else None
   params = moe.init_params(jax.random.key(0), config, mesh)
@@ -398,10 +426,12 @@ def run(args) -> list[dict]:
   for tokens in args.tokens:
     fwd_flops = 2.0 * tokens * args.top_k * args.hidden * 3 * args.ffn
     print(f"tokens per device {tokens}: {fwd_flops / 1e12:.3f} TFLOP per forward per device", flush=True)
-    for variant in args.variants:
+    for label, variant, wire_format in runs_of(args.variants, args.wire_formats):
       if variant.startswith("twin") and tokens > args.twin_max_tokens:
-        print(f"  {variant:>16}: skipped at {tokens} tokens (--twin-max-tokens {args.twin_max_tokens})")
+        print(f"  {label:>16}: skipped at {tokens} tokens (--twin-max-tokens {args.twin_max_tokens})")
         continue
+      layer = variant != "einsum" and variant not in FLAX_VARIANTS
+      wire = (wire_format or own_wire(variant)) if layer else ("bf16" if variant in FLAX_VARIANTS else None)
       try:
         if variant == "einsum":
           fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _einsum_fns(args, mesh, tokens)
@@ -412,30 +442,33 @@ def run(args) -> list[dict]:
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         else:
-          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _layer_fns(variant, args, mesh, tokens)
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _layer_fns(variant, args, mesh, tokens, wire_format)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         input_sets = [inputs(i) for i in range(args.input_sets)]
         for mode, fn, jitted, flops in (("fwd", fwd, jit_fwd, fwd_flops), ("fwd_bwd", fwd_bwd, jit_bwd, 3 * fwd_flops)):
           if fn is None or mode not in args.modes:
             continue
-          row = _measure(variant, mode, fn, jitted[0], jitted[1], input_sets, flops, args)
+          row = _measure(label, mode, fn, jitted[0], jitted[1], input_sets, flops, args)
           row["tokens_per_device"] = tokens
+          if wire is not None:
+            row["wire_format"] = wire
+            row["wire_bytes_per_token"] = layout.dispatch_layout(args.hidden, wire, top_k=args.top_k).bytes_per_token
           rows.append(row)
         if args.check and accuracy is not None:
           acc = accuracy(*input_sets[0])
-          print(f"  {variant:>16} calc_diff vs float32 oracle: " + ", ".join(f"{k} {v:.2e}" for k, v in acc.items()),
+          print(f"  {label:>16} calc_diff vs float32 oracle: " + ", ".join(f"{k} {v:.2e}" for k, v in acc.items()),
                 flush=True)
           for row in rows:
-            if row.get("variant") == variant and row.get("tokens_per_device") == tokens:
+            if row.get("variant") == label and row.get("tokens_per_device") == tokens:
               row["accuracy"] = acc
         del input_sets
         if ws is not None:
           ws.close()
       except Exception as e:  # pylint: disable=broad-except  (one variant's failure is recorded, the rest run)
         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        print(f"  {variant:>16}: FAILED {msg}", flush=True)
-        rows.append({"variant": variant, "tokens_per_device": tokens, "error": msg})
+        print(f"  {label:>16}: FAILED {msg}", flush=True)
+        rows.append({"variant": label, "tokens_per_device": tokens, "error": msg})
   return rows
 
 
@@ -477,6 +510,8 @@ def main(argv=None) -> int:
   p.add_argument("--ffn", type=positive_int, default=2048)
   p.add_argument("--top-k", type=positive_int, default=8)
   p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+  p.add_argument("--wire-formats", nargs="+", default=None, choices=layout.FORMATS,
+                 help="run each layer variant once per wire format (default: each on its own wire)")
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
   p.add_argument("--twin-max-tokens", type=positive_int, default=4096, help="largest token count the twin runs at")
   p.add_argument("--runs", type=positive_int, default=20, help="timed runs (median reported; fewer for slow steps)")
@@ -496,6 +531,10 @@ def main(argv=None) -> int:
       p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
   if any(t <= 0 for t in args.tokens):
     p.error(f"--tokens must be positive, got {args.tokens}")
+  for fmt in args.wire_formats or ():
+    block = layout.format_spec(fmt).block
+    if block and args.hidden % block:
+      p.error(f"--hidden must be a multiple of {block} for --wire-formats {fmt}, got {args.hidden}")
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
   rows = run(args)
   timed = any("ms" in r for r in rows)

@@ -138,6 +138,43 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
       assert acc["output"] < out_tol and all(v < grad_tol for k, v in acc.items() if k != "output"), (r["variant"], acc)
 
 
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_bench_layer_writes_a_row_per_wire_format(tmp_path):
+  """--wire-formats: each layer variant once per format, labelled <variant>@<format> off its own wire, with the
+  wire's bytes per token, forward and forward+backward times, and calc_diff within the format's limit (tests/
+  test_moe.py's docstring: 2e-3 for an FP8 wire, 3e-2 for NVFP4; 4e-3 and 3e-2 with FP8 experts)."""
+  bench_layer = _import_bench("bench_layer")
+  assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "256", "--ffn", "128", "--top-k",
+                           "2", "--runs", "2", "--input-sets", "2", "--chain", "2", "--variants", "bf16", "fp8_ws",
+                           "--wire-formats", "mxfp8", "nvfp4", "--check", "--no-stages", "--out",
+                           str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rows = json.loads(path.read_text())["rows"]
+  labels = ["bf16@mxfp8", "bf16@nvfp4", "fp8_ws@mxfp8", "fp8_ws@nvfp4"]
+  assert sorted((r["variant"], r["mode"]) for r in rows) == sorted((v, m) for v in labels for m in ("fwd", "fwd_bwd"))
+  want_bytes = {"mxfp8": 256 + 8 + 16, "nvfp4": 128 + 16 + 16}  # x, scales, ids and weights
+  limits = {"mxfp8": (2e-3, 4e-3), "nvfp4": (3e-2, 3e-2)}
+  for r in rows:
+    fmt = r["variant"].split("@")[1]
+    assert r["wire_format"] == fmt and r["wire_bytes_per_token"] == want_bytes[fmt] and r["ms"] > 0
+    limit = limits[fmt][r["variant"].startswith("fp8")]
+    assert set(r["accuracy"]) == {"output", "grad_router", "grad_w_gate_up", "grad_w_down", "grad_x"}
+    assert all(v < limit for v in r["accuracy"].values()), (r["variant"], r["accuracy"])
+  nvfp4 = [r["accuracy"]["output"] for r in rows if r["variant"] == "bf16@nvfp4"]
+  assert nvfp4[0] > 2e-3  # four bits: the row really went over NVFP4
+
+
+def test_bench_layer_labels_and_refuses_a_hidden_a_format_cannot_carry(capsys):
+  bench_layer = _import_bench("bench_layer")
+  assert bench_layer.runs_of(["einsum", "twin", "fp8_2l", "nnx_jit"], ["bf16", "nvfp4"]) == [
+      ("einsum", "einsum", None), ("twin", "twin", "bf16"), ("twin@nvfp4", "twin", "nvfp4"),
+      ("fp8_2l@bf16", "fp8_2l", "bf16"), ("fp8_2l@nvfp4", "fp8_2l", "nvfp4"), ("nnx_jit", "nnx_jit", None)]
+  assert bench_layer.runs_of(["bf16"], None) == [("bf16", "bf16", None)]
+  with pytest.raises(SystemExit):
+    bench_layer.main(["--hidden", "48", "--wire-formats", "bf16", "mxfp8"])
+  assert "--hidden must be a multiple of 32 for --wire-formats mxfp8, got 48" in capsys.readouterr().err
+
+
 def test_bench_layer_attributes_ops_to_their_innermost_stage():
   bench_layer = _import_bench("bench_layer")
   assert bench_layer._stage_of("jit(f)/shard_map/experts/permute/gather") == "permute"  # pylint: disable=protected-access
