@@ -97,7 +97,7 @@ def _decode(st: _WireStatic, recv_x, recv_x_sf, global_scale):
     rows = quant_mx.dequantize_mxfp8(flat(recv_x), flat(recv_x_sf), dtype=st.dtype, impl=st.impl)
   else:
     rows = quant_mx.dequantize_nvfp4(flat(recv_x), flat(recv_x_sf), global_scale, dtype=st.dtype, impl=st.impl)
-  return rows.reshape(num_ranks, capacity, -1)
+  return rows.reshape(num_ranks, capacity, rows.shape[-1])
 
 
 def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):

@@ -250,6 +250,20 @@ def test_all_zero_tokens_travel_as_zeros_on_nvfp4():
   np.testing.assert_array_equal(scales, np.asarray(quant.nvfp4_global_scale(jnp.asarray(x), impl="reference")))
 
 
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_a_call_of_no_tokens_receives_no_rows(fmt):
+  """Shards of no tokens (static shapes): [num_ranks, 0, hidden] rows, and nothing to decode."""
+  mesh = _mesh(False)
+
+  def body(x, ids, w):
+    return wire_dispatch(x, ids, w, wire_format=fmt, num_experts=EXPERTS, axis_name="ep", dtype=jnp.float32,
+                         impl="reference")[0]
+
+  rows = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+      jnp.zeros((0, 128)), jnp.zeros((0, TOP_K), jnp.int32), jnp.zeros((0, TOP_K)))
+  assert rows.shape == (64, 0, 128) and rows.dtype == jnp.float32
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Errors
 # ----------------------------------------------------------------------------------------------------------------
