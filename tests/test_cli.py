@@ -83,7 +83,7 @@ def test_demo_takes_the_values_the_layer_takes(argv, monkeypatch):
 def test_bench_refuses_a_benchmark_that_is_not_there(capsys, no_run):
   err = _usage_error(["bench", "nosuch", "--runs", "1"], capsys)
   assert "python -m jax_moe_a2a bench: error: argument name: must name a benchmark of " in err
-  assert "(a2a, gemm, layer, quant), got 'nosuch'" in err
+  assert "(a2a, gemm, layer, notebook, quant), got 'nosuch'" in err
 
 
 @pytest.mark.parametrize("message,option", [
