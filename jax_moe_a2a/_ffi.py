@@ -98,12 +98,29 @@ def resolve_impl(op: str, impl: str) -> str:
   return impl
 
 
+def varying_axes(a: Any) -> set:
+  """The shard_map axes `a` is typed as varying over (empty outside shard_map and for non-arrays)."""
+  manual = getattr(jax.typeof(a), "manual_axis_type", None) if isinstance(a, jax.Array) else None
+  return set(manual.varying) if manual is not None else set()
+
+
+def vary_over(tree: Any, axes: set) -> Any:
+  """Every array of `tree` typed as varying over `axes` too (a no-op for those it already varies over)."""
+  def cast(y):
+    missing = axes - varying_axes(y)
+    return jax.lax.pcast(y, tuple(sorted(missing, key=str)), to="varying") if missing else y
+  return jax.tree.map(cast, tree) if axes else tree
+
+
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any):
   """Calls FFI target ``jax_moe_a2a_<target>`` (registering the extension first) with `args` and `attrs`.
 
   Under `jax.vmap` the call runs once per batch element, in order (``vmap_method="sequential"``): every handler
   takes unbatched operands, and the one-sided calls then make one exchange per element on every rank alike.
+  Inside `shard_map` the results are typed as varying over every axis an operand varies over: `jax.ffi.ffi_call`
+  types them as varying over none although each shard computes its own, and a collective would then take them for
+  equal on every shard (a `pmax` for an identity) and a VJP would refuse their cotangents' types.
   """
   register()
   call = jax.ffi.ffi_call(TARGET_PREFIX + target, result_shape_dtypes, vmap_method="sequential")
-  return call(*args, **attrs)
+  return vary_over(call(*args, **attrs), set().union(*(varying_axes(a) for a in args)))

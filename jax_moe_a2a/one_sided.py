@@ -34,18 +34,11 @@ def takes_one_sided(op: str, impl: str, workspace: Optional[Workspace]) -> bool:
   return _ffi.resolve_impl(op, impl) == "ffi"
 
 
-def _varying_axes(a: jax.Array) -> set:
-  """The shard_map axes `a` varies over (empty outside shard_map)."""
-  manual = getattr(jax.typeof(a), "manual_axis_type", None)
-  return set(manual.varying) if manual is not None else set()
-
-
 def _varying(outs, inputs: tuple[jax.Array, ...], axis_name: Hashable):
   """Custom-call results inside shard_map vary over the axes their inputs vary over, and the expert axis."""
-  axes = set().union(*(_varying_axes(a) for a in inputs))
+  axes = set().union(*(_ffi.varying_axes(a) for a in inputs))
   axes.update(axis_name if isinstance(axis_name, tuple) else (axis_name,))
-  axes = tuple(sorted(axes, key=str))
-  return jax.tree.map(lambda y: jax.lax.pcast(y, axes, to="varying") if set(axes) - _varying_axes(y) else y, outs)
+  return _ffi.vary_over(outs, axes)
 
 
 _sites = itertools.count(1)

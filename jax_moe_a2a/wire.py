@@ -45,20 +45,6 @@ class _WireStatic:
   two_level: bool = False  # axis_name is (node axis, local axis): dispatch_two_level
 
 
-def _varying_axes(a: jax.Array) -> set:
-  """The shard_map axes `a` is typed as varying over (empty outside shard_map)."""
-  manual = getattr(jax.typeof(a), "manual_axis_type", None)
-  return set(manual.varying) if manual is not None else set()
-
-
-def _vary_as(y: jax.Array, like: jax.Array) -> jax.Array:
-  """y typed as varying over the shard_map axes `like` varies over. The quantization custom calls' results come out
-  of `jax.ffi.ffi_call` typed as varying over no axis although each shard computes its own: left so, a collective
-  could take them for equal on every shard (a pmax for an identity) and a VJP refuses their cotangents' types."""
-  axes = _varying_axes(like) - _varying_axes(y)
-  return jax.lax.pcast(y, tuple(sorted(axes, key=str)), to="varying") if axes else y
-
-
 def exchange_global_scale(x: jax.Array, axis_name: Any, *, impl: str = "auto") -> jax.Array:
   """The NVFP4 global scale of one exchange (per shard, in shard_map): `quant_mx.nvfp4_global_scale` of the tokens
   of every rank of `axis_name` (a mesh axis or a tuple of them), the same float32 scalar on each.
@@ -68,8 +54,7 @@ def exchange_global_scale(x: jax.Array, axis_name: Any, *, impl: str = "auto") -
   `pmax` is the whole exchange. It is positive and finite whatever the tokens hold (all zeros give the floor's
   scale, NaNs and infinities are left out of amax), so `quantize_nvfp4` never meets a scale it would refuse.
   """
-  # Each shard's own scale varies as its tokens do (_vary_as): tokens equal over an axis give equal scales there.
-  return jax.lax.pmax(_vary_as(quant_mx.nvfp4_global_scale(x, impl=impl), x), axis_name)
+  return jax.lax.pmax(quant_mx.nvfp4_global_scale(x, impl=impl), axis_name)
 
 
 def _encode(st: _WireStatic, x):
@@ -103,7 +88,6 @@ def _decode(st: _WireStatic, recv_x, recv_x_sf, global_scale):
 def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
   with jax.named_scope("wire_encode"):
     x_q, x_sf, global_scale = _encode(st, x)
-    x_q, x_sf = _vary_as(x_q, x), None if x_sf is None else _vary_as(x_sf, x)
   if st.two_level:
     node_axis, local_axis = st.axis_name
     res, handle = dispatch_two_level(x_q, topk_ids, topk_weights, num_experts=st.num_experts, node_axis=node_axis,
@@ -112,7 +96,7 @@ def _wire_forward(st: _WireStatic, x, topk_ids, topk_weights):
     res, handle = dispatch(x_q, topk_ids, topk_weights, num_experts=st.num_experts, axis_name=st.axis_name,
                            x_sf=x_sf, workspace=st.workspace, impl=st.impl)
   with jax.named_scope("wire_decode"):
-    rows = _vary_as(_decode(st, res.recv_x, res.recv_x_sf, global_scale), res.recv_x)
+    rows = _decode(st, res.recv_x, res.recv_x_sf, global_scale)
   # The FP8 codes and scales the rows were decoded from (no gradient): FP8 experts compute from them directly. Only
   # the 1x128 wire's are the experts' own tiling; MXFP8 and NVFP4 rows reach them decoded.
   codes = (res.recv_x, res.recv_x_sf) if st.wire_format == layout.FP8_BLOCKWISE else None
