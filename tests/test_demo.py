@@ -27,13 +27,19 @@ def test_help_documents_the_options():
     assert option in out, option
 
 
-def test_demo_runs_on_eight_simulated_devices_and_passes():
-  proc = subprocess.run([sys.executable, "-m", "jax_moe_a2a", "demo", *SMALL, "--wire", "fp8_blockwise"],
+@pytest.mark.parametrize("wire,bytes_line,limit", [
+    ("fp8_blockwise", "fp8_blockwise: 256 B x + 8 B scales + 16 B ids + 16 B weights = 296 B per token", "2e-03"),
+    ("mxfp8", "mxfp8: 256 B x + 8 B scales + 16 B ids + 16 B weights = 296 B per token", "2e-03"),
+    ("nvfp4", "nvfp4: 128 B x + 16 B scales + 16 B ids + 16 B weights = 176 B per token", "3e-02"),
+])
+def test_demo_runs_on_eight_simulated_devices_and_passes(wire, bytes_line, limit):
+  proc = subprocess.run([sys.executable, "-m", "jax_moe_a2a", "demo", *SMALL, "--wire", wire],
                         capture_output=True, text=True, env=_env(), timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   out = proc.stdout
   assert "8 x cpu" in out and "data=1 x expert=8" in out
-  assert "fp8_blockwise: 256 B x + 8 B scales + 16 B ids + 16 B weights = 296 B per token" in out
+  assert bytes_line in out
+  assert f"(limit calc_diff {limit})" in out
   for line in ("workspace", "output", "grad x", "grad router", "grad w_gate_up", "grad w_down", "step time"):
     assert line in out, line
   assert out.rstrip().endswith("PASS")
