@@ -5,13 +5,15 @@ the model's, not how well it memorized a few batches). The FP8 steps run the gro
 here (the reference under JAX_MOE_A2A_IMPL=reference) and the CUDA kernels on a GPU."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
-from jax_moe_a2a import moe
+from jax_moe_a2a import _ffi, moe
 
 STEPS, TOKENS, HIDDEN = 300, 256, 128
 
@@ -65,3 +67,61 @@ def test_the_fp8_recipe_trains_as_bf16_does():
   assert base[-20:].mean() < 0.5 * base[:20].mean()  # it learns
   assert np.all(np.isfinite(got))
   assert abs(got[-20:].mean() - base[-20:].mean()) <= 0.02 * base[-20:].mean(), (got[-20:].mean(), base[-20:].mean())
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """The computations of an HLO module's text, by name."""
+  out, name = {}, None
+  for line in hlo.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if m:
+      name = m.group(1)
+      out[name] = ""
+    elif name is not None:
+      out[name] += line + "\n"
+  return out
+
+
+def _called_from_loops(comps: dict[str, str]) -> set[str]:
+  """The computations a while loop's body or condition runs, with everything they call."""
+  refs = lambda text: set(re.findall(r"(?:body|condition|calls|to_apply|branch_computations=\{[^}]*)=?%([\w.\-]+)",
+                                     text))
+  todo = set().union(*(set(re.findall(r"(?:body|condition)=%([\w.\-]+)", t)) for t in comps.values()))
+  seen = set()
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    todo |= refs(comps[name])
+  return seen
+
+
+@pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
+def test_micro_batches_quantize_the_weights_once(backward, monkeypatch):
+  """Gradient accumulation over micro-batches written as a `lax.scan` with the parameters closed over, as
+  the README says: the FP8 weight quantization depends on no micro-batch, and XLA hoists it out of the loop, so
+  a step quantizes the master weights once, not once per micro-batch."""
+  if not _ffi.available():
+    pytest.skip("the weight quantizer is found in the compiled program as the extension's custom call")
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # impl="auto": the custom calls where the extension has them
+  n = 4 if len(jax.devices()) >= 4 else 1
+  mesh = jax.make_mesh((1, n), ("data", "expert"), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=256, ffn=256, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                         expert_precision="fp8", expert_backward=backward)
+  params = moe.init_params(jax.random.key(0), config, mesh)
+
+  def step(p, xs):
+    grad = jax.grad(lambda p, x: jnp.mean(jnp.square(moe.moe_apply(p, x, config, mesh)[0].astype(jnp.float32))))
+    acc, _ = jax.lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, grad(p, x)), None),
+                          jax.tree.map(jnp.zeros_like, p), xs)
+    return acc
+
+  xs = jnp.zeros((4, 16 * n, config.hidden), jnp.bfloat16)
+  comps = _computations(jax.jit(step).lower(params, xs).compile().as_text())
+  quantizes = lambda text: len(re.findall(r'custom_call_target="jax_moe_a2a_quantize_fp8_weight', text))
+  in_loops = _called_from_loops(comps)
+  assert in_loops, "the micro-batch loop is gone from the compiled program"
+  assert sum(quantizes(t) for t in comps.values()) == 2  # gate/up and down, each once
+  assert not [name for name in in_loops if quantizes(comps[name])]
