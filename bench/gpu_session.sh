@@ -4,7 +4,11 @@
 #   TESTS="tests/test_x.py ..." bash bench/gpu_session.sh ["<bench name> [bench args...]" ...]
 # TESTS defaults to the FFI tests; TESTS=none runs none. Each further argument is one benchmark with its
 # arguments. Results go to bench/results/ (or where a benchmark's --out says) and, when $OUT is set, are copied
-# there too, with the full test log. Exits non-zero when a test or a benchmark fails.
+# there too, with the full test log and the notebook's figure. Exits non-zero when a test or a benchmark fails.
+# Optional: EXTRA_WHEELS=<dir> installs the wheels there first (offline, into a private folder on PYTHONPATH: what
+# the GPU image lacks, e.g. the test extra's transformers or the notebook's nbclient and ipykernel);
+# TEST_TIMEOUT (default 300) and BENCH_TIMEOUT (default 180) bound the tests and each benchmark in seconds;
+# JAX_MOE_A2A_COMMIT names the commit in the results where the copy has no git metadata.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -21,6 +25,12 @@ with zipfile.ZipFile(sys.argv[1]) as z:
       z.extract(n, ".")
       print("extension:", n)
 PYEOF
+if [ -n "${EXTRA_WHEELS:-}" ]; then
+  site=$(mktemp -d)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$EXTRA_WHEELS"/*.whl > /dev/null 2>&1 \
+    || echo "some of $EXTRA_WHEELS did not install"
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 status=0
@@ -35,7 +45,9 @@ if [ "$tests" != "none" ]; then
 fi
 for spec in "$@"; do
   # shellcheck disable=SC2086
-  "$PY" -m jax_moe_a2a bench $spec || { echo "BENCH $spec FAILED"; status=1; }
+  timeout "${BENCH_TIMEOUT:-180}" "$PY" -m jax_moe_a2a bench $spec || { echo "BENCH $spec FAILED"; status=1; }
 done
-if [ -n "${OUT:-}" ]; then find bench/results -name "*.json" -newer "$marker" -exec cp {} "$OUT"/ \; ; fi
+if [ -n "${OUT:-}" ]; then
+  find bench/results \( -name "*.json" -o -name "*.png" \) -newer "$marker" -exec cp {} "$OUT"/ \;
+fi
 exit $status
