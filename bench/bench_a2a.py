@@ -5,7 +5,8 @@ DeepSeek-V3 shapes by default: hidden 7168, top-8 of 256 experts, random routing
 size and wire format it times, per call (median of many runs after warm-up, fresh inputs):
 
 - ``ffi``: the one-sided custom calls (dispatch, and combine of a bf16 expert output);
-- ``twin``: the pure-JAX reference (scatter into slots + ``jax.lax.all_to_all`` + gather);
+- ``reference``: the pure-JAX reference (scatter into slots + ``jax.lax.all_to_all`` + gather; ``twin``, its old
+  name, is still accepted);
 - ``all_to_all``: the bare ``jax.lax.all_to_all`` of the lossless send buffer ``[R, T, row]`` (what any
   all_to_all-based dispatch has to move: every slot, routed or not);
 - ``ragged``: the bare ``jax.lax.ragged_all_to_all`` of the routed rows only (dispatch direction).
@@ -22,9 +23,9 @@ started earlier by the host waits for its peer, in any implementation that synch
 GB/s counts the payload bytes that cross NVLink per GPU, over the chain time (gb_per_s) and over the gpu time
 (gpu_gb_per_s): for dispatch, (token, other rank) pairs the routing sends times the wire bytes per token
 (x + scales + top-k ids + weights, from `layout.dispatch_layout`); for combine, the same pairs times 2 * hidden.
-With ``--vjp``, "combine_vjp" (ffi, twin) is combine's VJP of a bf16 cotangent: (dispatch + combine + the VJP) minus
-(dispatch + combine), each way; on the ffi path it is a one-sided dispatch of the bf16 rows (the workspace is then
-made with ``training=True``, which gives an FP8 wire's received rows room for them).
+With ``--vjp``, "combine_vjp" (ffi, reference) is combine's VJP of a bf16 cotangent: (dispatch + combine + the VJP)
+minus (dispatch + combine), each way; on the ffi path it is a one-sided dispatch of the bf16 rows (the workspace is
+then made with ``training=True``, which gives an FP8 wire's received rows room for them).
 
   python bench/bench_a2a.py [--tokens 1 8 128 512 4096] [--formats bf16 fp8_blockwise] [--impls ...] [--kernels]
                             [--processes N] [--out DIR]
@@ -117,6 +118,14 @@ def _draw(plt, rec):
   return fig
 
 
+def impl_name(name: str) -> str:
+  """An --impls value, with "twin", the reference's old name in older command lines, read as "reference"."""
+  if name == "twin":
+    print("--impls twin: twin is now called reference")
+    return "reference"
+  return name
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8, 128, 512, 4096], help="tokens per rank")
@@ -128,8 +137,8 @@ def main(argv=None) -> int:
   p.add_argument("--runs", type=positive_int, default=30)
   p.add_argument("--out", default=None)
   p.add_argument("--plot", default=None, help="only plot this result file")
-  p.add_argument("--impls", nargs="+", default=["ffi", "twin", "all_to_all", "ragged"],
-                 choices=["ffi", "twin", "all_to_all", "ragged"])
+  p.add_argument("--impls", nargs="+", type=impl_name, default=["ffi", "reference", "all_to_all", "ragged"],
+                 choices=["ffi", "reference", "all_to_all", "ragged"])
   p.add_argument("--kernels", action="store_true", help="also print each chain's GPU kernels (profiler trace)")
   p.add_argument("--vjp", action="store_true", help="also time combine's VJP (combine_vjp rows)")
   p.add_argument("--processes", type=positive_int, default=1,
@@ -267,35 +276,34 @@ def main(argv=None) -> int:
       pair_single_in = [(expert_out, *s) for s in single_in]
       disp_bytes = pairs * d.bytes_per_token
       comb_bytes = pairs * 2 * args.hidden
-      for name in [i for i in ("ffi", "twin") if i in args.impls]:
-        impl = "ffi" if name == "ffi" else "reference"
+      for impl in [i for i in ("ffi", "reference") if i in args.impls]:
         d_fn, p_fn = dispatch_fn(impl, args.chain), pair_fn(impl, args.chain)
         t_chain = time_per_call(d_fn, chain_in, calls_per_run=args.chain, runs=args.runs)
         t_single = time_per_call(dispatch_fn(impl, 1), single_in, calls_per_run=1, runs=args.runs)
-        d_gpu, d_kernel, d_steady, d_steady_kernel = gpu_span_us(d_fn, chain_in[0], f"dispatch {name}",
-                                                                 "DispatchKernel" if name == "ffi" else None)
-        record("dispatch", name, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu, d_kernel, d_steady,
+        d_gpu, d_kernel, d_steady, d_steady_kernel = gpu_span_us(d_fn, chain_in[0], f"dispatch {impl}",
+                                                                 "DispatchKernel" if impl == "ffi" else None)
+        record("dispatch", impl, t_chain["median_s"], t_single["median_s"], disp_bytes, d_gpu, d_kernel, d_steady,
                d_steady_kernel)
         # Combine: one dispatch then args.chain combines, less one dispatch, per combine.
         c_fn = combines_fn(impl, args.chain)
         c_chain = time_per_call(c_fn, combines_in, calls_per_run=args.chain, runs=args.runs)
-        c_gpu, c_kernel, c_steady, c_steady_kernel = gpu_span_us(c_fn, combines_in[0], f"dispatch+combines {name}",
-                                                                 "CombineKernel" if name == "ffi" else None)
+        c_gpu, c_kernel, c_steady, c_steady_kernel = gpu_span_us(c_fn, combines_in[0], f"dispatch+combines {impl}",
+                                                                 "CombineKernel" if impl == "ffi" else None)
         diff = lambda a, b: None if a is None or b is None else a - b
-        record("combine", name, c_chain["median_s"] - t_chain["median_s"] / args.chain, None, comb_bytes,
+        record("combine", impl, c_chain["median_s"] - t_chain["median_s"] / args.chain, None, comb_bytes,
                diff(c_gpu, None if d_gpu is None else d_gpu / args.chain), c_kernel, c_steady, c_steady_kernel)
         if args.vjp:  # combine's VJP = (dispatch + combine + VJP) - (dispatch + combine)
           p_chain = time_per_call(p_fn, pair_chain_in, calls_per_run=args.chain, runs=args.runs)
           p_single = time_per_call(pair_fn(impl, 1), pair_single_in, calls_per_run=1, runs=args.runs)
-          p_gpu, _, p_steady, _ = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {name}")
+          p_gpu, _, p_steady, _ = gpu_span_us(p_fn, pair_chain_in[0], f"dispatch+combine {impl}")
           v_fn = vjp_fn(impl, args.chain)
           v_in = [(expert_out, ct_out, *c) for c in chain_in]
           v_chain = time_per_call(v_fn, v_in, calls_per_run=args.chain, runs=args.runs)
           v_single = time_per_call(vjp_fn(impl, 1), [(expert_out, ct_out, *s) for s in single_in], calls_per_run=1,
                                    runs=args.runs)
-          v_gpu, _, v_steady, _ = gpu_span_us(v_fn, v_in[0], f"dispatch+combine+vjp {name}",
-                                              "CombineKernel" if name == "ffi" else None)
-          record("combine_vjp", name, v_chain["median_s"] - p_chain["median_s"],
+          v_gpu, _, v_steady, _ = gpu_span_us(v_fn, v_in[0], f"dispatch+combine+vjp {impl}",
+                                              "CombineKernel" if impl == "ffi" else None)
+          record("combine_vjp", impl, v_chain["median_s"] - p_chain["median_s"],
                  v_single["median_s"] - p_single["median_s"], comb_bytes, diff(v_gpu, p_gpu), None,
                  diff(v_steady, p_steady))
 

@@ -14,7 +14,8 @@ kernels no stage claims (`unattributed_top`).
 Variants (all with bfloat16 compute and bfloat16 parameters):
   einsum         baseline: an equal-capacity batched einsum of the same FLOPs (T*k/E rows per local expert, no
                  routing, no exchange), gate/up -> SwiGLU -> down
-  twin           the layer with every op on its pure-JAX twin (impl="reference"; bf16 experts)
+  reference      the layer with every op on its pure-JAX reference (impl="reference"; bf16 experts); "twin",
+                 its old name, is still accepted
   bf16           bf16 experts (the default path: the bf16 grouped GEMMs on GPUs), bf16 wire
   fp8            FP8 experts from the bf16 master weights (expert_precision="fp8"), fp8_blockwise wire
   fp8_dgrad      the same with FP8 data gradients (MoEConfig.expert_backward="fp8_dgrad": the gate/up rows kept
@@ -78,13 +79,13 @@ from common import (GpuClocks, plot_if_possible, positive_int, save_plot, time_p
 from jax_moe_a2a import layout, moe  # noqa: E402
 from jax_moe_a2a.testing import calc_diff  # noqa: E402
 
-BASE_VARIANTS = ("einsum", "twin", "bf16", "fp8", "fp8_dgrad", "fp8_fp8bwd", "fp8_bf16wire", "fp8_stored")
+BASE_VARIANTS = ("einsum", "reference", "bf16", "fp8", "fp8_dgrad", "fp8_fp8bwd", "fp8_bf16wire", "fp8_stored")
 VARIANTS = BASE_VARIANTS + tuple(v + "_ws" for v in BASE_VARIANTS[2:])
 VARIANTS += tuple(v + "_2l" for v in VARIANTS[1:])
 FLAX_VARIANTS = ("nnx_call", "nnx_jit", "nnx_jit_tree", "nnx_jit_apply", "linen_jit")
 FLAX_VARIANTS += tuple(v + "_ws" for v in FLAX_VARIANTS)
 VARIANTS += FLAX_VARIANTS
-DEFAULT_VARIANTS = ("einsum", "twin", "bf16", "bf16_ws", "fp8", "fp8_ws", "fp8_stored", "fp8_stored_ws")
+DEFAULT_VARIANTS = ("einsum", "reference", "bf16", "bf16_ws", "fp8", "fp8_ws", "fp8_stored", "fp8_stored_ws")
 # Stage scopes, innermost first wins: an op is attributed to the last of these names in its op_name path.
 STAGES = ("router", "aux", "wire_encode", "moe_dispatch", "wire_decode", "permute", "experts", "unpermute",
           "moe_combine", "shared_experts")
@@ -101,9 +102,19 @@ def _base(variant: str) -> str:
   return base[:-3] if base.endswith("_ws") else base
 
 
+def variant_name(name: str) -> str:
+  """A --variants value, with "twin" (and "twin_2l"), the reference variant's old name in older command lines, read
+  as "reference" ("reference_2l")."""
+  if name == "twin" or name.startswith("twin_"):
+    new = "reference" + name[len("twin"):]
+    print(f"--variants {name}: twin is now called reference, running {new}")
+    return new
+  return name
+
+
 def own_wire(variant: str) -> str:
   """The wire format a layer variant runs on unless --wire-formats says otherwise."""
-  return layout.BF16 if _base(variant) in ("bf16", "twin", "fp8_bf16wire") else layout.FP8_BLOCKWISE
+  return layout.BF16 if _base(variant) in ("bf16", "reference", "fp8_bf16wire") else layout.FP8_BLOCKWISE
 
 
 def _config(variant: str, args, wire_format: Optional[str] = None) -> moe.MoEConfig:
@@ -113,7 +124,7 @@ def _config(variant: str, args, wire_format: Optional[str] = None) -> moe.MoECon
       expert_axis=("data", "expert") if two_level else "expert", two_level=two_level or None,
       num_experts=args.local_experts * jax.device_count(), top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
       wire_format=wire_format or own_wire(variant), fp8_weights=base == "fp8_stored", dtype=jnp.bfloat16,
-      param_dtype=jnp.bfloat16, impl="reference" if base == "twin" else "auto",
+      param_dtype=jnp.bfloat16, impl="reference" if base == "reference" else "auto",
       expert_precision="fp8" if base.startswith("fp8") else "dtype",
       expert_backward={"fp8_fp8bwd": "fp8", "fp8_dgrad": "fp8_dgrad"}.get(base, "bf16"))
 
@@ -427,8 +438,8 @@ def run(args) -> list[dict]:
     fwd_flops = 2.0 * tokens * args.top_k * args.hidden * 3 * args.ffn
     print(f"tokens per device {tokens}: {fwd_flops / 1e12:.3f} TFLOP per forward per device", flush=True)
     for label, variant, wire_format in runs_of(args.variants, args.wire_formats):
-      if variant.startswith("twin") and tokens > args.twin_max_tokens:
-        print(f"  {label:>16}: skipped at {tokens} tokens (--twin-max-tokens {args.twin_max_tokens})")
+      if variant.startswith("reference") and tokens > args.reference_max_tokens:
+        print(f"  {label:>16}: skipped at {tokens} tokens (--reference-max-tokens {args.reference_max_tokens})")
         continue
       layer = variant != "einsum" and variant not in FLAX_VARIANTS
       wire = (wire_format or own_wire(variant)) if layer else ("bf16" if variant in FLAX_VARIANTS else None)
@@ -509,11 +520,14 @@ def main(argv=None) -> int:
   p.add_argument("--hidden", type=positive_int, default=7168)
   p.add_argument("--ffn", type=positive_int, default=2048)
   p.add_argument("--top-k", type=positive_int, default=8)
-  p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+  p.add_argument("--variants", nargs="+", type=variant_name, default=list(DEFAULT_VARIANTS), choices=VARIANTS)
   p.add_argument("--wire-formats", nargs="+", default=None, choices=layout.FORMATS,
                  help="run each layer variant once per wire format (default: each on its own wire)")
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
-  p.add_argument("--twin-max-tokens", type=positive_int, default=4096, help="largest token count the twin runs at")
+  p.add_argument("--reference-max-tokens", type=positive_int, default=4096,
+                 help="largest token count the reference variant runs at")
+  p.add_argument("--twin-max-tokens", dest="reference_max_tokens", type=positive_int, default=argparse.SUPPRESS,
+                 help=argparse.SUPPRESS)  # its old name, in older command lines
   p.add_argument("--runs", type=positive_int, default=20, help="timed runs (median reported; fewer for slow steps)")
   p.add_argument("--input-sets", type=positive_int, default=3, help="distinct activation sets rotated between calls")
   p.add_argument("--chain", type=positive_int, default=10,

@@ -1,4 +1,4 @@
-"""Activation quantizers: each custom call against its pure-JAX twin under jit, in GB/s.
+"""Activation quantizers: each custom call against its pure-JAX reference under jit, in GB/s.
 
 Bytes moved = what the op reads + what it writes, at the sizes of its arrays (bf16 input, 2 bytes/value):
 

@@ -11,10 +11,10 @@ Custom calls. The expert GEMMs follow ``config.impl`` (``"auto"``: the grouped-G
 extension has handlers). The exchange follows the layer's ``workspace`` argument:
 
 - ``"auto"`` (default): the one-sided dispatch/combine custom calls on GPUs (when ``config.impl`` resolves to
-  ``"ffi"`` and the extension has its CUDA handlers), the twin's collectives elsewhere; ``config.impl="ffi"``
+  ``"ffi"`` and the extension has its CUDA handlers), the reference's collectives elsewhere; ``config.impl="ffi"``
   takes the one-sided calls on any platform.
 - ``"on"``: the one-sided calls on any platform that has handlers (CPU included); ``"off"`` (or None): the
-  twin's collectives always.
+  reference's collectives always.
 - a `Workspace`: that one (it must fit every call: `moe.make_workspace`).
 
 With ``"auto"``/``"on"`` the layer makes one workspace per (config, mesh, global token count) it is called with,

@@ -20,8 +20,8 @@ fixed bit patterns, and the other groups are quantized as if it were not there.
 
 Float32 subnormal inputs are outside the contract: backends may flush them to zero (XLA on CPU does).
 
-Each quantizer has a pure-JAX twin, ``<op>_reference``, with the same semantics (the CPU path and the oracle of
-the custom calls); the public function checks its arguments and calls the twin or the custom call (``impl=``).
+Each quantizer has a pure-JAX reference, ``<op>_reference``, with the same semantics (the CPU path and the oracle of
+the custom calls); the public function checks its arguments and calls the reference or the custom call (``impl=``).
 
 MXFP8 and NVFP4 live in `jax_moe_a2a.quant_mx` (paired with ffi/src/quant_mx*), which builds on the checks and
 rules here; their names are importable from this module too (``quant.quantize_mxfp8``), resolved on first use.
@@ -264,7 +264,7 @@ def check_fp8_blockwise(op: str, x_q: Any, x_sf: Any, *, block_major_k: bool = F
 
 @functools.partial(jax.jit, static_argnames=("block_major_k",))
 def quantize_fp8_blockwise_reference(x: jax.Array, *, block_major_k: bool = False) -> tuple[jax.Array, jax.Array]:
-  """Pure-JAX twin of `quantize_fp8_blockwise` (same signature and semantics, no argument checks)."""
+  """Pure-JAX reference of `quantize_fp8_blockwise` (same signature and semantics, no argument checks)."""
   m, k = x.shape
   g = x.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
   q, scale = _fp8_block_quantize(g, (2,))
@@ -310,8 +310,8 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
     x: `[M, K]` bfloat16, float16 or float32 with K % 128 == 0 (M may be 0).
     block_major_k: return the scales transposed, `[K/128, M]` (M contiguous), as the expert GEMM wants them.
       The custom call writes them so directly, without a transpose pass.
-    impl: "ffi" (the custom call jax_moe_a2a_quantize_fp8_blockwise), "reference" (the pure-JAX twin) or
-      "auto" (see `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
+    impl: "ffi" (the custom call jax_moe_a2a_quantize_fp8_blockwise), "reference" (the pure-JAX
+      `quantize_fp8_blockwise_reference`) or "auto" (see `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
 
   Returns:
     x_q: `[M, K] float8_e4m3fn`.
@@ -344,7 +344,7 @@ def swiglu_reference(h: jax.Array) -> jax.Array:
 
 @jax.jit
 def swiglu_quantize_fp8_blockwise_reference(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Pure-JAX twin of `swiglu_quantize_fp8_blockwise`."""
+  """Pure-JAX reference of `swiglu_quantize_fp8_blockwise`."""
   return quantize_fp8_blockwise_reference(swiglu_reference(h))
 
 
@@ -352,7 +352,7 @@ def swiglu_quantize_fp8_blockwise(h: jax.Array, *, impl: str = "auto") -> tuple[
   """SwiGLU of gate/up rows, quantized as `quantize_fp8_blockwise`: one pass over h, no float32 activation.
 
   ``quantize_fp8_blockwise(silu(h[:, :F]) * h[:, F:])`` with the SwiGLU in float32 (`swiglu_reference`): the
-  expert MLP's activation, ready for its down projection. The custom call and the twin compute the same float32
+  expert MLP's activation, ready for its down projection. The custom call and the reference compute the same float32
   operations, but ``exp`` is the backend's (CUDA's expf is within 2 ulp), so a code can differ by one E4M3 step
   where a value lies at a rounding boundary, and a scale by a factor of 2 where a group's amax lies at a power of
   two; the dequantized values agree to within E4M3 rounding (tests/test_quant_ffi.py states the tolerance).
@@ -383,7 +383,7 @@ def swiglu_quantize_fp8_blockwise(h: jax.Array, *, impl: str = "auto") -> tuple[
 @functools.partial(jax.jit, static_argnames=("block_major_k", "dtype"))
 def dequantize_fp8_blockwise_reference(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: bool = False,
                                        dtype: Any = jnp.float32) -> jax.Array:
-  """Pure-JAX twin of `dequantize_fp8_blockwise` (no argument checks)."""
+  """Pure-JAX reference of `dequantize_fp8_blockwise` (no argument checks)."""
   m, k = x_q.shape
   scale = x_sf.T if block_major_k else x_sf
   g = x_q.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK) * scale[..., None]
@@ -496,7 +496,7 @@ def _check_kmajor_group_sizes(op: str, group_sizes: Any) -> jax.Array:
 @jax.jit
 def quantize_fp8_grouped_kmajor_reference(x: jax.Array, group_sizes: jax.Array, x_sf: Optional[jax.Array] = None,
                                           rows: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
-  """Pure-JAX twin of `quantize_fp8_grouped_kmajor` (same semantics, no argument checks)."""
+  """Pure-JAX reference of `quantize_fp8_grouped_kmajor` (same semantics, no argument checks)."""
   r, c = x.shape
   m = r if rows is None else rows.shape[0]
   p = grouped_kmajor_length(m, group_sizes.shape[0])
@@ -544,7 +544,7 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
   Scales: each block of 128 columns of one row of q_t is quantized by the rule of `quantize_fp8_blockwise` over
   its 128 values (padding counts as 0): power-of-two scale from amax, one E4M3 rounding; a block holding a NaN or
   an infinity gets the E4M3 NaN code for each of its rows and the float32 NaN scale (its padding stays code 0).
-  The twin, the CPU handler and the CUDA kernel give the same bits.
+  The reference, the CPU handler and the CUDA kernel give the same bits.
 
   FP8 input: x float8_e4m3fn with its 1x128 scales x_sf [M, C/128] is first decoded exactly as
   `dequantize_fp8_blockwise` does (code * scale in float32), then quantized along the tokens. That is a second
@@ -599,7 +599,7 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
       raise TypeError(f"{op}: rows must be int32, got {rows.dtype}")
     if rows.ndim != 1 or rows.shape[0] >= 2 ** 31:
       raise ValueError(f"{op}: rows must be [M] with M < 2^31, got shape {tuple(rows.shape)}")
-  # An empty gather ([0] rows) is the twin's: the custom call reads [0] as "no gather".
+  # An empty gather ([0] rows) goes to the reference: the custom call reads [0] as "no gather".
   if _ffi.resolve_impl(op, impl) == "ffi" and (rows is None or rows.shape[0] > 0):
     return _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf, rows)
   return quantize_fp8_grouped_kmajor_reference(x, group_sizes, x_sf, rows)
@@ -634,7 +634,7 @@ def _pad_nk(w: jax.Array, n: int, k: int) -> jax.Array:
 
 @jax.jit
 def quantize_fp8_weight_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Pure-JAX twin of `quantize_fp8_weight` (same signature and semantics, no argument checks)."""
+  """Pure-JAX reference of `quantize_fp8_weight` (same signature and semantics, no argument checks)."""
   *batch, n, k = w.shape
   nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
   g = _pad_nk(w.astype(jnp.float32), n, k).reshape(*batch, nb, FP8_BLOCK, kb, FP8_BLOCK)
@@ -663,9 +663,9 @@ def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array,
   Args:
     w: `[..., N, K]` bfloat16, float16 or float32 (any leading dims, e.g. `[num_experts, N, K]`).
     impl: "ffi" (the custom call jax_moe_a2a_quantize_fp8_weight: one read of w, one write of the codes),
-      "reference" (the pure-JAX twin) or "auto" (see `jax_moe_a2a._ffi.resolve_impl`; the twin where the GPU
-      kernel does not apply: K not a multiple of 16 bytes of w, more than 65535 blocks of 128 rows or 65535
-      matrices). Both give the same bits.
+      "reference" (the pure-JAX `quantize_fp8_weight_reference`) or "auto" (see `jax_moe_a2a._ffi.resolve_impl`;
+      the reference where the GPU kernel does not apply: K not a multiple of 16 bytes of w, more than 65535 blocks
+      of 128 rows or 65535 matrices). Both give the same bits.
 
   Returns:
     w_q: `[..., N, K] float8_e4m3fn`.
@@ -694,7 +694,7 @@ def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array,
 @jax.jit
 def quantize_fp8_weight_with_transpose_reference(w: jax.Array
                                                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Pure-JAX twin of `quantize_fp8_weight_with_transpose` (no argument checks)."""
+  """Pure-JAX reference of `quantize_fp8_weight_with_transpose` (no argument checks)."""
   w_q, w_sf = quantize_fp8_weight_reference(w)
   return w_q, w_sf, jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_sf, -1, -2)
 
@@ -710,8 +710,8 @@ def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
 
   Args:
     w: `[..., N, K]` bfloat16, float16 or float32.
-    impl: as `quantize_fp8_weight` ("auto" takes the twin on GPUs where N is not a multiple of 16 or the
-      kernel's other limits are not met). Both give the same bits.
+    impl: as `quantize_fp8_weight` ("auto" takes the reference on GPUs where N is not a multiple of 16 or
+      the kernel's other limits are not met). Both give the same bits.
 
   Returns:
     w_q: `[..., N, K] float8_e4m3fn` and w_sf `[..., ceil(N/128), ceil(K/128)] float32`, as `quantize_fp8_weight`.
@@ -745,7 +745,7 @@ def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_fp8_weight_reference(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
-  """Pure-JAX twin of `dequantize_fp8_weight` (no argument checks)."""
+  """Pure-JAX reference of `dequantize_fp8_weight` (no argument checks)."""
   *batch, n, k = w_q.shape
   nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
   g = _pad_nk(w_q.astype(jnp.float32), n, k).reshape(*batch, nb, FP8_BLOCK, kb, FP8_BLOCK)

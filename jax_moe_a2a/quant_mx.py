@@ -50,7 +50,7 @@ def _mx_dims(op: str, name: str, x: Any, mx_alignment: Optional[int]) -> tuple[i
 
 @functools.partial(jax.jit, static_argnames=("mx_alignment",))
 def quantize_mxfp8_reference(x: jax.Array, *, mx_alignment: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
-  """Pure-JAX twin of `quantize_mxfp8` (same signature and semantics, no argument checks)."""
+  """Pure-JAX reference of `quantize_mxfp8` (same signature and semantics, no argument checks)."""
   m, k = x.shape
   cols = layout.dispatch_layout(k, layout.MXFP8, mx_alignment=mx_alignment).scale_cols
   g = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, cols * MX_BLOCK - k))).reshape(m, cols, MX_BLOCK)
@@ -98,8 +98,8 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None,
   Args:
     x: `[M, K]` bfloat16, float16 or float32; K % 32 == 0 unless `mx_alignment` is given.
     mx_alignment: pad K up to this positive multiple of 32 before forming blocks (None: no padding).
-    impl: "ffi" (the custom call jax_moe_a2a_quantize_mxfp8), "reference" (the pure-JAX twin) or "auto" (see
-      `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
+    impl: "ffi" (the custom call jax_moe_a2a_quantize_mxfp8), "reference" (the pure-JAX `quantize_mxfp8_reference`)
+      or "auto" (see `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
 
   Returns:
     x_q: `[M, K] float8_e4m3fn`.
@@ -126,7 +126,7 @@ def _canonical_nan(g: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp8_reference(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
-  """Pure-JAX twin of `dequantize_mxfp8` (no argument checks; the scale count carries the alignment)."""
+  """Pure-JAX reference of `dequantize_mxfp8` (no argument checks; the scale count carries the alignment)."""
   m, k = x_q.shape
   cols = x_sf.shape[1]
   g = jnp.pad(x_q.astype(jnp.float32), ((0, 0), (0, cols * MX_BLOCK - k))).reshape(m, cols, MX_BLOCK)
@@ -136,7 +136,7 @@ def dequantize_mxfp8_reference(x_q: jax.Array, x_sf: jax.Array, *, dtype: Any = 
 
 def _ffi_dequantize(target: str, shape: tuple[int, int], dtype: Any, *args: jax.Array) -> jax.Array:
   """A dequantizing custom call: bfloat16, float16 and float32 are written directly; any other floating dtype is
-  the float32 result cast, as the twin casts its float32 values."""
+  the float32 result cast, as the reference casts its float32 values."""
   direct = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
   out = _ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype if direct else jnp.float32), *args)
   return out if direct else out.astype(dtype)
@@ -225,7 +225,7 @@ def nvfp4_global_scale(x: jax.Array, *, impl: str = "auto") -> jax.Array:
 @jax.jit
 def quantize_nvfp4_reference(x: jax.Array, *, global_scale: Optional[jax.Array] = None
                              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Pure-JAX twin of `quantize_nvfp4` (same signature and semantics, no argument checks)."""
+  """Pure-JAX reference of `quantize_nvfp4` (same signature and semantics, no argument checks)."""
   m, k = x.shape
   gs = nvfp4_global_scale_reference(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
   g = x.astype(jnp.float32).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -282,7 +282,7 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None,
       a zero or negative scale gives all-zero codes (every block dequantizes to 0) and a NaN or infinite one
       gives blocks that dequantize to NaN, with no error.
     impl: "ffi" (the custom calls jax_moe_a2a_nvfp4_global_scale, when the scale is derived, and
-      jax_moe_a2a_quantize_nvfp4), "reference" (the pure-JAX twin) or "auto" (see
+      jax_moe_a2a_quantize_nvfp4), "reference" (the pure-JAX `quantize_nvfp4_reference`) or "auto" (see
       `jax_moe_a2a._ffi.resolve_impl`). Both give the same bits.
 
   Returns:
@@ -314,7 +314,7 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None,
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_nvfp4_reference(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *,
                                dtype: Any = jnp.float32) -> jax.Array:
-  """Pure-JAX twin of `dequantize_nvfp4` (no argument checks)."""
+  """Pure-JAX reference of `dequantize_nvfp4` (no argument checks)."""
   m, half_k = x_q.shape
   code = jnp.stack([x_q & 0xF, x_q >> 4], axis=-1).reshape(m, 2 * half_k // NVFP4_BLOCK, NVFP4_BLOCK)
   g = (_e2m1_decode(code) * x_sf.astype(jnp.float32)[..., None]) * jnp.asarray(global_scale, jnp.float32)

@@ -2,7 +2,7 @@
 
   python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT
 
-Checks the one-sided dispatch/combine (workspace mapped through CUDA IPC) against the all_to_all twin, bit for bit,
+Checks the one-sided dispatch/combine (workspace mapped through CUDA IPC) against the all_to_all reference, bit for bit,
 on this process's shards; prints "OK <process id>" on success.
 """
 

@@ -34,9 +34,9 @@ def test_bench_a2a_writes_every_implementation_and_a_plot(tmp_path):
   assert rec["processes"] == 1 and rec["hidden"] == 256
   got = {(r["fmt"], r["op"], r["impl"]) for r in rec["rows"]}
   for fmt in ("bf16", "fp8_blockwise"):
-    for impl in ("ffi", "twin", "all_to_all"):
+    for impl in ("ffi", "reference", "all_to_all"):
       assert {(fmt, "dispatch", impl), (fmt, "combine", impl)} <= got
-    assert {(fmt, "combine_vjp", "ffi"), (fmt, "combine_vjp", "twin")} <= got
+    assert {(fmt, "combine_vjp", "ffi"), (fmt, "combine_vjp", "reference")} <= got
   assert all(r["chain_us"] is not None for r in rec["rows"])
   if jax.default_backend() == "cpu":  # no GPU trace
     assert all(r["gpu_us"] is None and r["steady_gpu_us"] is None and r["steady_kernel_us"] is None
@@ -114,7 +114,7 @@ def test_kernel_busy_us_is_the_slowest_devices_time_in_the_named_kernels_per_cal
 def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
   skip_without_one_sided_backward()
   bench_layer = _import_bench("bench_layer")
-  variants = ["einsum", "twin", "bf16", "fp8_ws", "fp8_fp8bwd", "fp8_stored", "fp8_ws_2l"]
+  variants = ["einsum", "reference", "bf16", "fp8_ws", "fp8_fp8bwd", "fp8_stored", "fp8_ws_2l"]
   assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
                            "2", "--runs", "2", "--input-sets", "2", "--chain", "3", "--variants", *variants, "--check",
                            "--out", str(tmp_path)]) == 0
@@ -134,7 +134,7 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
       want_keys = {"output"} | ({"grad_router", "grad_w_gate_up", "grad_w_down", "grad_x"}
                                 if r["variant"] != "fp8_stored" else set())
       assert set(acc) == want_keys
-      out_tol, grad_tol = (1e-4, 5e-4) if r["variant"] in ("twin", "bf16") else (5e-3, 2e-2)
+      out_tol, grad_tol = (1e-4, 5e-4) if r["variant"] in ("reference", "bf16") else (5e-3, 2e-2)
       assert acc["output"] < out_tol and all(v < grad_tol for k, v in acc.items() if k != "output"), (r["variant"], acc)
 
 
@@ -166,13 +166,30 @@ def test_bench_layer_writes_a_row_per_wire_format(tmp_path):
 
 def test_bench_layer_labels_and_refuses_a_hidden_a_format_cannot_carry(capsys):
   bench_layer = _import_bench("bench_layer")
-  assert bench_layer.runs_of(["einsum", "twin", "fp8_2l", "nnx_jit"], ["bf16", "nvfp4"]) == [
-      ("einsum", "einsum", None), ("twin", "twin", "bf16"), ("twin@nvfp4", "twin", "nvfp4"),
+  assert bench_layer.runs_of(["einsum", "reference", "fp8_2l", "nnx_jit"], ["bf16", "nvfp4"]) == [
+      ("einsum", "einsum", None), ("reference", "reference", "bf16"), ("reference@nvfp4", "reference", "nvfp4"),
       ("fp8_2l@bf16", "fp8_2l", "bf16"), ("fp8_2l@nvfp4", "fp8_2l", "nvfp4"), ("nnx_jit", "nnx_jit", None)]
   assert bench_layer.runs_of(["bf16"], None) == [("bf16", "bf16", None)]
   with pytest.raises(SystemExit):
     bench_layer.main(["--hidden", "48", "--wire-formats", "bf16", "mxfp8"])
   assert "--hidden must be a multiple of 32 for --wire-formats mxfp8, got 48" in capsys.readouterr().err
+
+
+def test_bench_scripts_still_take_twin_the_old_name_of_reference(tmp_path, capsys):
+  """Older command lines (docs/PERFORMANCE.md) say "twin" and --twin-max-tokens: read as "reference" and
+  --reference-max-tokens, with a note; the results use the new name."""
+  bench_layer, bench_a2a = _import_bench("bench_layer"), _import_bench("bench_a2a")
+  assert [bench_layer.variant_name(v) for v in ("twin", "twin_2l", "bf16")] == ["reference", "reference_2l", "bf16"]
+  assert [bench_a2a.impl_name(i) for i in ("twin", "ffi")] == ["reference", "ffi"]
+  assert bench_layer.main(["--tokens", "16", "--variants", "twin", "--twin-max-tokens", "8", "--out",
+                           str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "twin is now called reference" in out
+  assert "reference: skipped at 16 tokens (--reference-max-tokens 8)" in out
+  with pytest.raises(SystemExit):
+    bench_layer.main(["--help"])
+  usage = capsys.readouterr().out
+  assert "--reference-max-tokens" in usage and "--twin-max-tokens" not in usage  # the old spelling is hidden
 
 
 def test_bench_layer_attributes_ops_to_their_innermost_stage():

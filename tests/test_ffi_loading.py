@@ -1,5 +1,5 @@
-"""Without the compiled extension the package still imports and runs on its twins; asking for a custom call
-then says how to build it."""
+"""Without the compiled extension the package still imports and runs on its pure-JAX references; asking for a custom
+call then says how to build it."""
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +16,11 @@ def missing_extension(monkeypatch):
   monkeypatch.setattr(_ffi, "_registered", None)
 
 
-def test_package_imports_and_twins_run_without_the_extension(missing_extension):
+def test_package_imports_and_references_run_without_the_extension(missing_extension):
   assert jax_moe_a2a.dispatch_layout(7168, "fp8_blockwise").x_sf_bytes_per_token == 224
   assert not _ffi.available()
   assert _ffi.resolve_impl("op", "auto") == "reference"
-  x_q, x_sf = quant.quantize_fp8_blockwise(jnp.ones((2, 128), jnp.bfloat16))  # auto -> twin
+  x_q, x_sf = quant.quantize_fp8_blockwise(jnp.ones((2, 128), jnp.bfloat16))  # auto -> reference
   assert x_q.shape == (2, 128) and x_sf.shape == (2, 1)
 
 

@@ -1,5 +1,5 @@
 """`jax.vmap` over the custom calls: each runs once per batch element (a sequential rule), so a vmapped call equals
-the calls made one by one, and the vmapped twin."""
+the calls made one by one, and the vmapped reference."""
 
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ def _one_by_one(fn, *batched):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
 
-def test_vmapped_quantization_equals_the_calls_one_by_one_and_the_twin():
+def test_vmapped_quantization_equals_the_calls_one_by_one_and_the_reference():
   x = jax.random.normal(jax.random.key(0), (3, 5, 256), jnp.float32) * jnp.array([1.0, 1e3, 1e-3])[:, None, None]
   fn = lambda impl: (lambda x: quant.quantize_fp8_blockwise(x, impl=impl))
   got = jax.jit(jax.vmap(fn("ffi")))(x)
@@ -33,7 +33,7 @@ def test_vmapped_quantization_equals_the_calls_one_by_one_and_the_twin():
       np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
-def test_vmapped_mxfp8_and_nvfp4_calls_equal_the_calls_one_by_one_and_the_twin():
+def test_vmapped_mxfp8_and_nvfp4_calls_equal_the_calls_one_by_one_and_the_reference():
   """Each element gets its own NVFP4 global scale (derived, or given per element) and its own round trip."""
   x = jax.random.normal(jax.random.key(3), (3, 5, 256), jnp.float32) * jnp.array([1.0, 1e3, 1e-3])[:, None, None]
   x = x.at[1, 2, 7].set(jnp.nan)
@@ -78,7 +78,7 @@ def test_vmapped_grouped_gemms_equal_the_calls_one_by_one():
     assert np.any(np.asarray(got[1, 32 - 1]) != 0)  # the second element's rows all belong to its first group
 
 
-def test_vmapped_one_sided_dispatch_and_combine_equal_the_twin():
+def test_vmapped_one_sided_dispatch_and_combine_equal_the_reference():
   """Inside shard_map over 8 devices: a batch of 3 exchanges, each one dispatch + combine per element."""
   mesh = Mesh(np.array(devices(8)), ("ep",))
   batch, tokens, hidden, top_k, num_experts = 3, 4, 16, 2, 16

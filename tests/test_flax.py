@@ -124,10 +124,10 @@ def _one_sided_calls(fn, *args) -> int:
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
-def test_workspace_auto_takes_the_twin_on_cpu_and_on_takes_the_one_sided_calls_with_the_same_result(monkeypatch):
-  """On CPU "auto" keeps the twin's collectives; "on" makes (once) and uses a workspace; both give the same y and
+def test_workspace_auto_takes_the_reference_on_cpu_and_on_takes_the_one_sided_calls_with_the_same_result(monkeypatch):
+  """On CPU "auto" keeps the reference's collectives; "on" makes (once) and uses a workspace; both give the same y and
   gradients (the one-sided calls move the same bits; the GEMMs are the same). Without $JAX_MOE_A2A_IMPL, which
-  would turn config.impl="auto" into the twin everywhere."""
+  would turn config.impl="auto" into the reference everywhere."""
   skip_without_one_sided_backward()
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
   config, mesh, x = _setup()
@@ -155,7 +155,7 @@ def test_workspace_auto_takes_the_twin_on_cpu_and_on_takes_the_one_sided_calls_w
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_linen_workspace_on_uses_the_one_sided_calls(monkeypatch):
-  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the reference
   config, mesh, x = _setup()
   layer = flax_moe.LinenMoE(config=config, mesh=mesh, workspace="on")
   variables = layer.init(jax.random.key(0), x)
@@ -171,7 +171,7 @@ def test_functions_jitted_before_close_workspaces_make_new_workspaces(monkeypatc
   """A function jitted (nnx.jit, jax.jit closing over the layer, the one the layer runs outside jit) before
   close_workspaces runs again after it, on a new workspace of the layer, with the same result: the compiled one held
   the closed workspace's id."""
-  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the reference
   config, mesh, x = _setup()
   flax_moe.close_workspaces()
   layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")
@@ -367,7 +367,7 @@ def test_fast_calls_return_no_parameter_and_plain_nnx_jit_returns_them_all():
 def test_gpu_fast_calls_take_the_one_sided_calls_with_moe_apply_bits(monkeypatch):
   """On GPUs the layer's default workspace ("auto") puts the one-sided calls in every fast call (outside jit,
   jit_apply, tree mode), each giving moe_apply's bits on that workspace."""
-  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the twin
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # it would turn config.impl="auto" into the reference
   assert jax.default_backend() == "gpu"
   n = jax.device_count()
   mesh = jax.make_mesh((1, n), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

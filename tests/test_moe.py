@@ -269,8 +269,8 @@ def test_fp8_wire_and_fp8_weights():
 @pytest.mark.parametrize("wire_format", ["mxfp8", "nvfp4"])
 def test_every_wire_format_matches_the_oracle(wire_format, impl):
   """The microscaled wires through the layer: with impl="ffi" the quantization custom calls and the one-sided
-  dispatch/combine (a workspace; the CPU handlers), with "reference" the pure-JAX twins and all_to_all. Output and
-  every gradient within the format's limit of the float32 oracle (module docstring), and the wire really lossy."""
+  dispatch/combine (a workspace; the CPU handlers), with "reference" the pure-JAX quantizers and all_to_all. Output
+  and every gradient within the format's limit of the float32 oracle (module docstring), and the wire really lossy."""
   if impl == "ffi":
     pytest.importorskip("jax_moe_a2a._jax_moe_a2a")
     skip_without_one_sided_backward()

@@ -410,7 +410,7 @@ def test_mxfp8_errors(call, exc, msg):
 
 @pytest.mark.parametrize("ulps", [-2, -1, 0, 1, 2])
 def test_a_quotient_up_to_two_ulps_off_is_rounded_correctly(ulps):
-  """The twin's divisions must be correctly rounded on every backend (XLA's float32 division on GPUs is not):
+  """The reference's divisions must be correctly rounded on every backend (XLA's float32 division on GPUs is not):
   from a quotient `ulps` off, over 2^-60..2^60 operands of both signs, the correction gives NumPy's a / b."""
   rng = np.random.default_rng(1)
   n = 1 << 16

@@ -1,5 +1,5 @@
 """The FP8 quantization custom calls (1x128 activation groups, 128x128 weight blocks) against their pure-JAX
-twins: bit for bit, on CPU and on a GPU."""
+references: bit for bit, on CPU and on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ def _assert_same(x, block_major_k):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("block_major_k", [False, True])
 @pytest.mark.parametrize("m,k", [(1, 128), (37, 384), (256, 1024)])
-def test_ffi_equals_twin(dtype, block_major_k, m, k):
+def test_ffi_equals_reference(dtype, block_major_k, m, k):
   rng = np.random.default_rng(m * 7 + k)
   _assert_same(_wide_range(rng, m, k, dtype), block_major_k)
 
@@ -98,7 +98,7 @@ def test_cpp_handler_checks_shapes_when_reached():
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_major_k", [False, True])
 def test_gpu_large_bit_exact(block_major_k):
-  """On a GPU: DeepSeek-V3 hidden size, many rows, the CUDA kernel against the twin compiled by XLA for the GPU."""
+  """On a GPU: DeepSeek-V3 hidden size, many rows, the CUDA kernel against the reference compiled by XLA for the GPU."""
   assert jax.default_backend() == "gpu"
   x = _wide_range(np.random.default_rng(3), 4099, 7168, jnp.bfloat16)
   _assert_same(x, block_major_k)
@@ -110,10 +110,10 @@ def test_gpu_large_bit_exact(block_major_k):
 
 
 def _assert_swiglu_close(h, codes_equal=0.999):
-  """The custom call against the twin. Both compute (g * (1 / (1 + exp(-g)))) * u in float32 with the backend's exp
+  """The custom call against the reference. Both compute (g * (1 / (1 + exp(-g)))) * u in float32 with the backend's exp
   (not bit-exact across backends), so a code may move one E4M3 step where a value sits on a rounding boundary, and
   a scale by 2x where a group's amax sits on a power of two. Tolerances: every dequantized value within one E4M3
-  step of the twin's (2^-3 relative, plus half the subnormal spacing of the larger scale), at least `codes_equal`
+  step of the reference's (2^-3 relative, plus half the subnormal spacing of the larger scale), at least `codes_equal`
   of the codes and 99% of the scales identical, and NaN groups identical."""
   q_ffi, sf_ffi = jax.jit(lambda h: quant.swiglu_quantize_fp8_blockwise(h, impl="ffi"))(h)
   q_ref, sf_ref = jax.jit(lambda h: quant.swiglu_quantize_fp8_blockwise(h, impl="reference"))(h)
@@ -133,7 +133,7 @@ def _assert_swiglu_close(h, codes_equal=0.999):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m,f", [(0, 128), (1, 128), (37, 256), (130, 512)])
-def test_swiglu_quantize_ffi_close_to_twin(dtype, m, f):
+def test_swiglu_quantize_ffi_close_to_reference(dtype, m, f):
   rng = np.random.default_rng(m + f)
   h = _wide_range(rng, m, 2 * f, dtype) if m else jnp.zeros((0, 2 * f), dtype)
   if m:  # gates of moderate size, so silu is far from both of its asymptotes somewhere in every group
@@ -152,8 +152,8 @@ def test_swiglu_quantize_non_finite_groups_stay_in_their_group():
   _assert_swiglu_close(jnp.asarray(h))
 
 
-def test_swiglu_quantize_equals_quantizing_the_twins_swiglu():
-  """The twin is quantize_fp8_blockwise of swiglu_reference, bit for bit (the rule is the quantizer's)."""
+def test_swiglu_quantize_equals_quantizing_the_reference_swiglu():
+  """The reference is quantize_fp8_blockwise of swiglu_reference, bit for bit (the rule is the quantizer's)."""
   h = jax.random.normal(jax.random.key(0), (64, 512), jnp.bfloat16)
   q, sf = quant.swiglu_quantize_fp8_blockwise(h, impl="reference")
   q2, sf2 = quant.quantize_fp8_blockwise(quant.swiglu_reference(h), impl="reference")
@@ -185,7 +185,7 @@ def test_cpp_handler_checks_swiglu_shapes_when_reached():
 
 
 @pytest.mark.gpu
-def test_gpu_swiglu_quantize_close_to_twin():
+def test_gpu_swiglu_quantize_close_to_reference():
   """On a GPU, at the expert MLP's shape (F = 2048), bf16 gate/up rows."""
   assert jax.default_backend() == "gpu"
   rng = np.random.default_rng(6)
@@ -229,8 +229,8 @@ def _assert_same_weight(w):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("shape", [(128, 128), (3, 256, 384), (2, 200, 136), (1, 5, 16), (2, 2, 129, 264)])
-def test_weight_ffi_equals_twin(dtype, shape):
-  """Edge blocks (N or K not a multiple of 128) take the values that exist, as the twin's zero padding does."""
+def test_weight_ffi_equals_reference(dtype, shape):
+  """Edge blocks (N or K not a multiple of 128) take the values that exist, as the reference's zero padding does."""
   _assert_same_weight(_weights(np.random.default_rng(sum(shape)), shape, dtype))
 
 
@@ -273,7 +273,7 @@ def test_weight_with_transpose_refuses_what_quantize_fp8_weight_refuses():
 
 @pytest.mark.gpu
 def test_gpu_weight_deepseek_shapes_bit_exact():
-  """On a GPU: gate/up and down weights of eight DeepSeek-V3 experts, kernel against the XLA twin."""
+  """On a GPU: gate/up and down weights of eight DeepSeek-V3 experts, kernel against the reference compiled by XLA."""
   assert jax.default_backend() == "gpu"
   rng = np.random.default_rng(5)
   for shape in ((8, 4096, 7168), (8, 7168, 2048)):

@@ -1,5 +1,5 @@
-"""The MXFP8 and NVFP4 custom calls (quantize, dequantize, the NVFP4 global scale) against their pure-JAX twins: bit
-for bit, on CPU (the handlers reproduce the twins as XLA runs them there) and on a GPU."""
+"""The MXFP8 and NVFP4 custom calls (quantize, dequantize, the NVFP4 global scale) against their pure-JAX
+references: bit for bit, on CPU (the handlers reproduce the references as XLA runs them there) and on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,7 @@ def _mx_both(x, mx_alignment):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m,k,mx_alignment", [(1, 32, None), (37, 256, None), (37, 256, 128), (12, 100, 128),
                                               (11, 96, 256), (0, 64, None), (10, 7000, 128)])
-def test_mxfp8_ffi_equals_twin(dtype, m, k, mx_alignment):
+def test_mxfp8_ffi_equals_reference(dtype, m, k, mx_alignment):
   """Random and edge-case rows; K padded to the alignment (whole padding blocks, and a block cut at K)."""
   q, sf = _mx_both(_inputs(m, k, dtype, 32, m * 31 + k), mx_alignment)
   if m >= 10:
@@ -105,9 +105,9 @@ def test_mxfp8_ffi_equals_twin(dtype, m, k, mx_alignment):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e5m2])
 @pytest.mark.parametrize("k,mx_alignment", [(256, None), (100, 128), (24, 64)])
-def test_mxfp8_dequantize_ffi_equals_twin_on_every_byte(dtype, k, mx_alignment):
+def test_mxfp8_dequantize_ffi_equals_reference_on_every_byte(dtype, k, mx_alignment):
   """Every E4M3 code (NaN 0x7F and 0xFF included) against every E8M0 byte (2^-127, a float32 subnormal, and the
-  NaN 0xFF included); float8_e5m2 is the float32 result cast, as the twin casts."""
+  NaN 0xFF included); float8_e5m2 is the float32 result cast, as the reference casts."""
   rng = np.random.default_rng(k)
   cols = -(-k // (mx_alignment or 32)) * (mx_alignment or 32) // 32
   q = rng.integers(0, 256, (64, k), dtype=np.uint8)
@@ -150,7 +150,7 @@ def _nv_both(x, global_scale):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m,k", [(1, 16), (37, 256), (12, 48), (0, 32), (10, 7168)])
 @pytest.mark.parametrize("global_scale", [None, 1.0, 1e-3, 3e30])
-def test_nvfp4_ffi_equals_twin(dtype, m, k, global_scale):
+def test_nvfp4_ffi_equals_reference(dtype, m, k, global_scale):
   """Random and edge-case rows (ties of the E2M1 grid at global scale 1), with the derived scale and given ones
   (3e30: every block's scale far below E4M3's range)."""
   q, sf, gs = _nv_both(_inputs(m, k, dtype, 16, m * 17 + k), global_scale)
@@ -169,7 +169,7 @@ def test_nvfp4_ties_round_to_the_even_code_in_the_custom_call():
 
 
 @pytest.mark.parametrize("global_scale", [0.0, -0.0, -1.0, np.nan, np.inf, -np.inf, 1e-39])
-def test_nvfp4_ffi_equals_twin_with_a_bad_traced_global_scale(global_scale):
+def test_nvfp4_ffi_equals_reference_with_a_bad_traced_global_scale(global_scale):
   """A traced scale cannot be refused; both give the same fixed bits (zero/negative: +0 codes; NaN, inf: +0 block
   scales; a subnormal scale is zero on CPUs)."""
   x = _inputs(12, 64, jnp.float32, 16, 5)
@@ -183,14 +183,14 @@ def test_nvfp4_ffi_equals_twin_with_a_bad_traced_global_scale(global_scale):
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
-def test_nvfp4_ffi_refuses_a_concrete_bad_global_scale_as_the_twin_does(value):
+def test_nvfp4_ffi_refuses_a_concrete_bad_global_scale_as_the_reference_does(value):
   with pytest.raises(ValueError, match=r"quantize_nvfp4: global_scale must be positive and finite"):
     quant_mx.quantize_nvfp4(jnp.ones((2, 32)), global_scale=value, impl="ffi")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e5m2])
 @pytest.mark.parametrize("global_scale", [1.0, 2.0 ** -20, 3e35, 1e-39, np.nan, -2.5, 0.0])
-def test_nvfp4_dequantize_ffi_equals_twin_on_every_byte(dtype, global_scale):
+def test_nvfp4_dequantize_ffi_equals_reference_on_every_byte(dtype, global_scale):
   """Every code byte against E4M3 block scales of every byte (NaN 0x7F and 0xFF included), global scales that
   overflow, underflow, or are not valid at all (a dequantizer takes what it is given)."""
   rng = np.random.default_rng(9)
@@ -208,7 +208,7 @@ def test_nvfp4_dequantize_ffi_equals_twin_on_every_byte(dtype, global_scale):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("shape", [(0,), (5,), (3, 7, 11), (64, 256), (1, 1)])
-def test_nvfp4_global_scale_ffi_equals_twin(dtype, shape):
+def test_nvfp4_global_scale_ffi_equals_reference(dtype, shape):
   rng = np.random.default_rng(sum(shape))
   x = (rng.standard_normal(shape) * 100).astype(F32)
   if x.size > 3:
@@ -336,7 +336,7 @@ def test_handlers_check_shapes_and_dtypes_when_reached(target, out, args, match)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GPU: the CUDA kernels against the twins compiled by XLA for the GPU
+# GPU: the CUDA kernels against the references compiled by XLA for the GPU
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -367,9 +367,9 @@ def test_gpu_nvfp4_bit_exact(dtype, global_scale):
 @pytest.mark.gpu
 def test_gpu_dequantizers_on_every_byte_and_bad_scales():
   assert jax.default_backend() == "gpu"
-  test_mxfp8_dequantize_ffi_equals_twin_on_every_byte(jnp.bfloat16, 100, 128)
+  test_mxfp8_dequantize_ffi_equals_reference_on_every_byte(jnp.bfloat16, 100, 128)
   for gs in (np.nan, 0.0, 3e35):
-    test_nvfp4_dequantize_ffi_equals_twin_on_every_byte(jnp.bfloat16, gs)
+    test_nvfp4_dequantize_ffi_equals_reference_on_every_byte(jnp.bfloat16, gs)
   for gs in (0.0, np.nan, np.inf):
     _nv_both(_inputs(12, 64, jnp.float32, 16, 5), gs)
 

@@ -1,6 +1,6 @@
 """Two processes as two nodes (jax.distributed on CPU, collectives on gloo), each with its own workspace over its
-4 devices: the layer picks two levels by itself and matches the dense oracle and the twin
-(tests/two_node_worker.py)."""
+4 devices: the layer picks two levels by itself and matches the dense oracle and the reference
+exchange (tests/two_node_worker.py)."""
 
 import jax
 import pytest

@@ -71,8 +71,8 @@ def test_quantize_ffi_equals_reference(m, sizes, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn])
-def test_quantize_gather_ffi_equals_twin(dtype):
-  """rows (repeats, negatives, indices past x) read by the custom call as by the twin; the DeepSeek-V3 case of
+def test_quantize_gather_ffi_equals_reference(dtype):
+  """rows (repeats, negatives, indices past x) read by the custom call as by the reference; the DeepSeek-V3 case of
   8 copies of each of 512 tokens in expert order on a GPU."""
   rng = np.random.default_rng(7)
   cases = [(77, 400, [130, 0, 170, 100], 384)]

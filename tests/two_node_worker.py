@@ -6,7 +6,7 @@ collectives between processes on gloo.
 Each process sets $JAX_MOE_A2A_HOST to its own name, so the processes count as hosts: a flat workspace over both
 is refused, the layer picks two levels by itself, and its workspace spans this process's devices only. The layer
 (forward, load statistics, every gradient) is checked against the dense oracle run here on one device, and the
-one-sided inner calls against the twin bit for bit, on this process's shards; prints "OK <process id>".
+one-sided inner calls against the reference exchange bit for bit, on this process's shards; prints "OK <process id>".
 """
 
 import os
@@ -73,20 +73,20 @@ def value_and_grads(apply):
 with moe.make_workspace(config, mesh, TOKENS, training=True) as ws:
   assert ws.expert_axis == "local" and ws.num_ranks == num_local, ws
   got = value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=ws))(params, x, ct)
-  twin = value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x, ct)
+  reference = value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh))(params, x, ct)
   ws.check()
 
 one = jax.local_devices()[0]
 want = value_and_grads(lambda p, x: moe.moe_dense_reference(p, x, config))(
     *jax.device_put(({k: jnp.asarray(v) for k, v in host.items()}, x_host, ct_host), one))
 
-for path, g, t, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(twin),
+for path, g, t, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(reference),
                          jax.tree.leaves(want)):
   name = jax.tree_util.keystr(path[0])
   w = np.asarray(w)
-  for shard, twin_shard in zip(g.addressable_shards, t.addressable_shards):
-    a, b = np.atleast_1d(shard.data), np.atleast_1d(twin_shard.data)
-    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: one-sided differs from the twin"
+  for shard, reference_shard in zip(g.addressable_shards, t.addressable_shards):
+    a, b = np.atleast_1d(shard.data), np.atleast_1d(reference_shard.data)
+    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: one-sided differs from the reference exchange"
     ref = np.atleast_1d(w[shard.index])
     if np.issubdtype(a.dtype, np.integer):
       assert np.array_equal(a, ref), f"{name}: {a} != {ref}"

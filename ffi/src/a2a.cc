@@ -1,6 +1,6 @@
 // a2a.cc -- handlers of jax_moe_a2a_dispatch and jax_moe_a2a_combine (CPU, and CUDA when built with it).
 //
-// NOTES (the contract is a2a.py's; these handlers reproduce the pure-JAX twin bit for bit):
+// NOTES (the contract is a2a.py's; these handlers reproduce the pure-JAX reference bit for bit):
 //   - Per rank `me` of an expert group of R ranks, T tokens, top_k experts, L = num_experts / R local experts:
 //     a token goes to rank r once if any of its valid experts (0 <= id < num_experts) lives there; its slot on
 //     r is the number of earlier tokens bound for r (exclusive prefix count), never an atomic counter.
@@ -13,7 +13,7 @@
 //     its occurrence) and each rank reads what it receives straight from its peers' inputs; nobody leaves before
 //     every rank has read. The GPUs ignore `site`: each runs its calls in program order.
 //   - Receive side: the rows of slots j < count[s] are source s's tokens; padding rows get zero bits, ids -1 and
-//     weights 0.0, as the twin defines.
+//     weights 0.0, as the reference defines.
 //   - Combine sums, per token, float32(row from rank r) over r = 0, 1, ..., R-1 in that order, starting at -0.0
 //     (+0.0 for a token sent nowhere).
 #include <algorithm>
@@ -443,7 +443,7 @@ ffi::Error CombineCpuImpl(int32_t device, ffi::AnyBuffer expert_out, ffi::Buffer
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
   std::vector<float> acc(g.hidden);
   for (int64_t t = 0; t < t_count; ++t) {
-    // From -0.0, the exact additive identity; +0.0 for a token sent nowhere (the twin's contract).
+    // From -0.0, the exact additive identity; +0.0 for a token sent nowhere (the reference's contract).
     const bool sent = std::any_of(slot + t * num_ranks, slot + (t + 1) * num_ranks, [](int32_t j) { return j >= 0; });
     std::fill(acc.begin(), acc.end(), sent ? -0.0f : 0.0f);
     for (int64_t r = 0; r < num_ranks; ++r) {

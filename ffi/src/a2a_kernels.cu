@@ -958,7 +958,7 @@ __device__ void CombineReduce(const CombineParams& p, uint64_t e, int64_t buf, u
   int64_t t = (blockIdx.x - p.senders) * kReduceTokens + sub;
   for (int2 slots = slots_of(t); t < p.num_tokens; t += stride) {
     const int2 next = slots_of(t + stride);
-    // The sum starts at -0.0, the exact additive identity; a token sent nowhere gets +0.0 (the twin's contract).
+    // The sum starts at -0.0, the exact additive identity; a token sent nowhere gets +0.0 (the reference's contract).
     const bool sent = __any_sync(0xFFFFFFFFu, slots.x >= 0 || slots.y >= 0);
     for (int64_t h0 = tid * 8; h0 - lane * 8 < p.hidden; h0 += kReduceVecs * kStep) {
       // Lane i polls the word of (rank i / kReduceVecs, vector i % kReduceVecs) for the whole warp.

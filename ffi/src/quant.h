@@ -9,7 +9,7 @@
 //   code 256 there, and 256 * 2^120 = 2^128 overflows float32 on dequantization.
 //   A group whose amax is not finite (it holds NaN or +-inf) gets q = 0x7F (E4M3 NaN) for every value and
 //   scale = the canonical float32 quiet NaN (0x7FC00000).
-//   With a power-of-two scale the only rounding is the conversion to E4M3, so the pure-JAX twin (whatever XLA
+//   With a power-of-two scale the only rounding is the conversion to E4M3, so the pure-JAX reference (whatever XLA
 //   does to its divisions), this handler and the CUDA kernel agree bit for bit.
 #pragma once
 

@@ -5,7 +5,7 @@
 //   jax_moe_a2a_quantize_nvfp4      x [M, K], global_scale [] -> x_q [M, K/2] uint8, x_sf [M, K/16] E4M3
 //   jax_moe_a2a_dequantize_nvfp4    x_q, x_sf, global_scale -> out [M, K] bfloat16, float16 or float32
 //
-// NOTES: the CPU handlers reproduce the twins as XLA runs them on CPUs, which treats float32 subnormals as zero,
+// NOTES: the CPU handlers reproduce the references as XLA runs them on CPUs, which treats float32 subnormals as zero,
 // both where they are read (inputs, the E8M0 scale 2^-127, a subnormal global scale) and where an operation
 // produces one. The CUDA kernels keep subnormals, as XLA does on GPUs.
 #include <algorithm>

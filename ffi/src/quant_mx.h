@@ -1,5 +1,5 @@
 // quant_mx.h -- the MXFP8 and NVFP4 rules shared by the CPU handlers (quant_mx.cc) and the CUDA kernels
-// (quant_mx_kernels.cu); the pure-JAX twins are in jax_moe_a2a/quant_mx.py, and the three agree bit for bit.
+// (quant_mx_kernels.cu); the pure-JAX references are in jax_moe_a2a/quant_mx.py, and the three agree bit for bit.
 //
 // MXFP8, per block of kMxBlock values of a row (float32):
 //   biased = clamp(E(amax) - 8 + (mantissa(amax) > 0x600000), 0, 254)      the E8M0 byte, from the bits of amax
@@ -38,7 +38,7 @@ JAX_MOE_A2A_HD inline uint32_t MxScaleBiased(uint32_t amax_bits) {
 }
 
 // float32 (not NaN) -> E2M1 code (0..15): the magnitude's index in {0, 0.5, 1, 1.5, 2, 3, 4, 6}, rounded to
-// nearest with ties to the even code, saturated at 6; bit 3 is the sign bit of v (so -0 gives 8). The twin's
+// nearest with ties to the even code, saturated at 6; bit 3 is the sign bit of v (so -0 gives 8). The reference's
 // threshold comparisons, computed from the bits: below 1 the grid is the multiples of 0.5 (rint of 2|v|, half to
 // even); from 1 up, rounding the float32 mantissa to one bit (half to even) gives the code directly, since E2M1's
 // exponent bias is 1 (code = rounded - 2 * 126), and a carry moves into the exponent by itself.

@@ -1,7 +1,7 @@
 // quant_mx_kernels.cu -- MXFP8 and NVFP4 quantization and dequantization on the GPU.
 //
 // NOTES:
-//   - The rules are quant_mx.h's, bit for bit; every float operation is the correctly rounded one the twin
+//   - The rules are quant_mx.h's, bit for bit; every float operation is the correctly rounded one the reference
 //     performs (__fmul_rn, __fdiv_rn: no contraction into FMAs, no approximate division), conversions are the
 //     hardware's round-to-nearest-even ones, and denormals are kept (as XLA keeps them on GPUs).
 //   - Quantizers: one block of 32 (MXFP8) or 16 (NVFP4) values is handled by the few consecutive threads that

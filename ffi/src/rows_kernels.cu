@@ -11,7 +11,7 @@
 //     gather of the same rows reads each from memory once per output row (k times). It works on (row, segment)
 //     items, segments of four words per lane, or of one when there are few rows (decode), so they spread over
 //     every SM.
-//   - Products and sums use __fmul_rn / __fadd_rn: no fused multiply-add, so the CPU handler and the pure-JAX twin
+//   - Products and sums use __fmul_rn / __fadd_rn: no fused multiply-add, so the CPU handler and the pure-JAX reference
 //     (a product, then a sum in ascending k) round the same way.
 //   - An index outside the source rows contributes nothing: a zero row for a gather, a term of +0 for a sum (its
 //     source row is not read, so a NaN there reaches no output).
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) SumRowsKernel(const TIn* __restrict_
           for (int i = 0; i < kChunk; ++i) v[b][i] = __fmul_rn(v[b][i], w);
         } else {
 #pragma unroll
-          for (int i = 0; i < kChunk; ++i) v[b][i] = 0.0f;  // a left-out term adds +0, as in the twin
+          for (int i = 0; i < kChunk; ++i) v[b][i] = 0.0f;  // a left-out term adds +0, as in the reference
         }
       }
 #pragma unroll
