@@ -23,8 +23,9 @@ Float32 subnormal inputs are outside the contract: backends may flush them to ze
 Each quantizer has a pure-JAX reference, ``<op>_reference``, with the same semantics (the CPU path and the oracle of
 the custom calls); the public function checks its arguments and calls the reference or the custom call (``impl=``).
 
-MXFP8 and NVFP4 live in `jax_moe_a2a.quant_mx` (paired with ffi/src/quant_mx*), which builds on the checks and
-rules here; their names are importable from this module too (``quant.quantize_mxfp8``), resolved on first use.
+MXFP8 and NVFP4 live in `jax_moe_a2a.quant_mx` (paired with ffi/src/quant_mx*); their names are importable from
+this module too (``quant.quantize_mxfp8``), and `quantize` / `dequantize` here take every format. What the two modules
+share (constants, checks, correctly rounded division, power-of-two scales) is `jax_moe_a2a.quant_base`.
 """
 
 from __future__ import annotations
@@ -38,193 +39,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_a2a import _ffi, layout
-
-# ----------------------------------------------------------------------------------------------------------------
-# Constants
-# ----------------------------------------------------------------------------------------------------------------
-
-FP8_BLOCK = layout.format_spec(layout.FP8_BLOCKWISE).block  # 128: activation group and weight block edge
-MX_BLOCK = layout.format_spec(layout.MXFP8).block  # 32
-NVFP4_BLOCK = layout.format_spec(layout.NVFP4).block  # 16
-
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-E2M1_MAX = 6.0  # largest float4_e2m1fn
-# Floor of a blockwise FP8 group's amax: an all-zero group gets scale 2^-48 (the power of two for 1e-12) instead
-# of 0. Also the floor of the NVFP4 tensor amax behind the derived global scale.
-FP8_AMAX_FLOOR = 1e-12
-
-# Fixed bit patterns of the NaN markers.
-E4M3_NAN_BITS = 0x7F  # canonical positive NaN of float8_e4m3fn
-F32_NAN_BITS = 0x7FC00000  # canonical quiet NaN of float32
-E8M0_NAN_BITS = 0xFF  # the only NaN of float8_e8m0fnu
-
-# E2M1 code (low 3 bits; bit 3 is the sign) -> magnitude.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-_FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_FLOAT_INPUTS_TEXT = "bfloat16, float16 or float32"
-
-# ----------------------------------------------------------------------------------------------------------------
-# Checks and helpers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _check_array(op: str, name: str, x: Any) -> None:
-  if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
-
-
-def _check_float_input(op: str, name: str, x: Any) -> None:
-  _check_array(op, name, x)
-  if jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
-    raise TypeError(f"{op}: {name} must be {_FLOAT_INPUTS_TEXT}, got {x.dtype}")
-
-
-def _check_dtype(op: str, name: str, x: Any, dtype: Any) -> None:
-  _check_array(op, name, x)
-  if jnp.dtype(x.dtype) != jnp.dtype(dtype):
-    raise TypeError(f"{op}: {name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
-
-
-def _check_2d(op: str, name: str, x: Any, dims: str = "[M, K]") -> tuple[int, int]:
-  if len(x.shape) != 2:
-    raise ValueError(f"{op}: {name} must be 2-D {dims}, got shape {tuple(x.shape)}")
-  return tuple(x.shape)
-
-
-def _check_out_dtype(op: str, dtype: Any) -> jnp.dtype:
-  try:
-    dt = jnp.dtype(dtype)
-  except TypeError:
-    dt = None
-  if dt is None or not jnp.issubdtype(dt, jnp.floating):
-    raise TypeError(f"{op}: dtype must be a floating dtype, got {dtype!r}")
-  return dt
-
-
-def _check_global_scale(op: str, global_scale: Any) -> jax.Array:
-  if isinstance(global_scale, bool) or not (isinstance(global_scale, (int, float)) or hasattr(global_scale, "dtype")):
-    raise TypeError(f"{op}: global_scale must be a float32 scalar, got {type(global_scale).__name__}")
-  if hasattr(global_scale, "dtype"):
-    if not jnp.issubdtype(global_scale.dtype, jnp.floating):
-      raise TypeError(f"{op}: global_scale must be a float32 scalar, got {global_scale.dtype}")
-    if tuple(global_scale.shape) != ():
-      raise ValueError(f"{op}: global_scale must be a scalar (shape ()), got shape {tuple(global_scale.shape)}")
-  return jnp.asarray(global_scale, jnp.float32)
-
-
-def _check_global_scale_value(op: str, global_scale: Any) -> None:
-  """Checks a concrete global scale: positive and finite. A traced one (under jit) cannot be checked here."""
-  if isinstance(global_scale, jax.core.Tracer):
-    return
-  try:
-    value = float(jax.device_get(global_scale))
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return  # an abstract value (e.g. a ShapeDtypeStruct): nothing to check
-  if not (math.isfinite(value) and value > 0.0):
-    raise ValueError(f"{op}: global_scale must be positive and finite (0 < global_scale < inf), got {value!r}")
-
-
-def _true_div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`a / b` in float32, correctly rounded on every backend, both operands broadcast to one shape.
-
-  XLA rewrites a division by a constant or by a broadcast into a multiplication by the reciprocal, which differs
-  from true division in the last bit for about half of all inputs; passing full-shape operands through an
-  optimization barrier hides that pattern (at the cost of materializing the divisor). On GPUs XLA's float32
-  division itself is not correctly rounded (29% of random quotients measured an ulp off, 0.06% more), so the
-  quotient is rounded again from its exact remainder on every backend (`_round_quotient`).
-  """
-  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  a, b = jax.lax.optimization_barrier((a, b))
-  return _round_quotient(a, b, a / b)
-
-
-def _round_quotient(a: jax.Array, b: jax.Array, q: jax.Array, steps: int = 3) -> jax.Array:
-  """`a / b` correctly rounded, given a float32 quotient `q` within `steps - 1` ulps of it.
-
-  Where a, b or the quotient is zero, subnormal, infinite or NaN, `q` is returned as it is. Otherwise, with
-  `|a| = ma 2^ea` and `|b| = mb 2^eb` (ma, mb in [0.5, 1)) and `qm = |q| 2^(eb - ea)` near `ma / mb` in
-  (0.5, 2), each step computes the remainder `r = ma - qm mb` exactly (Dekker's product with Veltkamp's split:
-  every partial product is exact, so contracting a product and a sum into an FMA changes nothing) and moves
-  `qm` one ulp toward the quotient when `|r|` exceeds half the gap to that neighbour times `mb` (exactly
-  representable, the gap being a power of two). A quotient is never exactly halfway between two floats, so
-  there are no ties. The remainder is exact once `qm` is within an ulp; a first step from farther away still
-  moves the right way.
-  """
-  f32 = jnp.float32
-  tiny = jnp.finfo(f32).tiny
-  ma, ea = jnp.frexp(jnp.abs(a))
-  mb, eb = jnp.frexp(jnp.abs(b))
-  qm = jnp.ldexp(jnp.abs(q), eb - ea)
-
-  def split(x):  # x = hi + lo, each with at most 12 significant bits
-    c = x * f32(4097.0)
-    hi = c - (c - x)
-    return hi, x - hi
-
-  bh, bl = split(mb)
-  for _ in range(steps):
-    qh, ql = split(qm)
-    p = qm * mb
-    r = (ma - p) - ((((qh * bh - p) + qh * bl) + ql * bh) + ql * bl)
-    up, down = jnp.nextafter(qm, f32(4.0)), jnp.nextafter(qm, f32(0.0))
-    qm = jnp.where(r > mb * (up - qm) * f32(0.5), up, jnp.where(-r > mb * (qm - down) * f32(0.5), down, qm))
-  out = jnp.where(jnp.signbit(a) != jnp.signbit(b), -1.0, 1.0).astype(f32) * jnp.ldexp(qm, ea - eb)
-  normal = lambda x: jnp.isfinite(x) & (jnp.abs(x) >= tiny)
-  return jnp.where(normal(a) & normal(b) & normal(q) & normal(out), out, q)
-
-
-def _where_bits(cond: jax.Array, bits: int, x: jax.Array) -> jax.Array:
-  """`where(cond, <the value with bit pattern bits>, x)`, selecting on the raw bits so the pattern is exact."""
-  udtype = {1: jnp.uint8, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
-  xb = jax.lax.bitcast_convert_type(x, udtype)
-  return jax.lax.bitcast_convert_type(jnp.where(cond, udtype(bits), xb), x.dtype)
-
-
-def _pow2_scale_exponent(amax: jax.Array) -> jax.Array:
-  """Biased exponent (+127) of the smallest power of two 2^e with amax <= 448 * 2^e, for finite amax >= 0.
-
-  amax = 1.f * 2^(E - 127) and 448 = 1.75 * 2^8, so e = E - 127 - 8, plus one when 1.f > 1.75 (mantissa field
-  > 0x600000). Computed from the bits, exactly, on every backend.
-  """
-  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
-  exp_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
-  return exp_field - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-
-
-# The largest scale a finite amax gets (float32's largest binade, 2^127, maps into (224, 448] at 2^120) and the
-# largest E4M3 magnitude whose product with it is finite: 256 * 2^120 = 2^128 overflows, 240 * 2^120 does not.
-TOP_SCALE_BIASED = 247
-E4M3_MAX_AT_TOP_SCALE = 240.0
-
-
-def _e4m3_limit(biased: jax.Array) -> jax.Array:
-  """The clip of the scaled values for a scale of biased exponent `biased`: 448, or 240 at the top scale 2^120,
-  so that a value near the float32 maximum does not round up to the code 256, whose product with 2^120 is inf."""
-  return jnp.where(biased >= TOP_SCALE_BIASED, jnp.float32(E4M3_MAX_AT_TOP_SCALE), jnp.float32(E4M3_MAX))
-
-
-def _pow2(biased: jax.Array) -> jax.Array:
-  """2^(biased - 127) as float32, for biased in [1, 254]."""
-  return jax.lax.bitcast_convert_type((biased << 23).astype(jnp.uint32), jnp.float32)
+from jax_moe_a2a.quant_base import (FLOAT_INPUTS, FLOAT_INPUTS_TEXT, FP8_AMAX_FLOOR, FP8_BLOCK, E4M3_MAX,
+                                    E4M3_NAN_BITS, F32_NAN_BITS, check_2d, check_array, check_dtype,
+                                    check_float_input, check_out_dtype, e4m3_limit, pow2, pow2_scale_exponent,
+                                    where_bits)
+# MXFP8 and NVFP4 live in quant_mx; their names are this module's too (quant.quantize_mxfp8).
+from jax_moe_a2a.quant_mx import (dequantize_mxfp8, dequantize_mxfp8_reference, dequantize_nvfp4,
+                                  dequantize_nvfp4_reference, nvfp4_global_scale, nvfp4_global_scale_reference,
+                                  quantize_mxfp8, quantize_mxfp8_reference, quantize_nvfp4, quantize_nvfp4_reference)
 
 
 def _fp8_block_quantize(g: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   """Blockwise FP8 E4M3 of float32 `g` whose block dimensions are `axes`; returns (q like g, scale without axes).
 
   scale = the smallest power of two with max(amax, 1e-12) <= 448 * scale; q = e4m3(clip(g / scale, -L, L)) with
-  L = 448, or 240 at the top scale 2^120 (`_e4m3_limit`), where the division by a power of two is exact; a block
+  L = 448, or 240 at the top scale 2^120 (`e4m3_limit`), where the division by a power of two is exact; a block
   holding a NaN or an infinity gets q = NaN (0x7F) everywhere and scale = NaN (0x7FC00000).
   """
   amax = jnp.max(jnp.abs(g), axis=axes, keepdims=True)
   bad = jnp.any(~jnp.isfinite(g), axis=axes, keepdims=True)
   # For finite amax the biased exponent lies in [79, 247], so both 2^e and 2^-e are normal float32 values.
-  biased = jnp.clip(_pow2_scale_exponent(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR))), 1, 253)
-  scale, inv_scale = _pow2(biased), _pow2(254 - biased)
-  limit = _e4m3_limit(biased)
+  biased = jnp.clip(pow2_scale_exponent(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR))), 1, 253)
+  scale, inv_scale = pow2(biased), pow2(254 - biased)
+  limit = e4m3_limit(biased)
   q = jnp.clip(g * inv_scale, -limit, limit).astype(jnp.float8_e4m3fn)
-  q = _where_bits(bad, E4M3_NAN_BITS, q)
-  scale = _where_bits(bad, F32_NAN_BITS, scale)
+  q = where_bits(bad, E4M3_NAN_BITS, q)
+  scale = where_bits(bad, F32_NAN_BITS, scale)
   return q, jnp.squeeze(scale, axis=axes)
 
 
@@ -248,13 +88,13 @@ def check_fp8_blockwise(op: str, x_q: Any, x_sf: Any, *, block_major_k: bool = F
     ValueError: x_q is not 2-D or K % 128 != 0, x_sf is missing, or x_sf has the wrong shape.
   """
   # Type and shape checks
-  _check_dtype(op, "x_q", x_q, jnp.float8_e4m3fn)
-  m, k = _check_2d(op, "x_q", x_q)
+  check_dtype(op, "x_q", x_q, jnp.float8_e4m3fn)
+  m, k = check_2d(op, "x_q", x_q)
   if k % FP8_BLOCK or k == 0:
     raise ValueError(f"{op}: x_q must be [M, K] with K % {FP8_BLOCK} == 0 and K > 0, got shape {tuple(x_q.shape)}")
   if x_sf is None:
     raise ValueError(f"{op}: x_sf must be given (the float32 scales of the fp8_blockwise activation x_q), got None")
-  _check_dtype(op, "x_sf", x_sf, jnp.float32)
+  check_dtype(op, "x_sf", x_sf, jnp.float32)
   want = (k // FP8_BLOCK, m) if block_major_k else (m, k // FP8_BLOCK)
   if tuple(x_sf.shape) != want:
     dims = "[K/128, M]" if block_major_k else "[M, K/128]"
@@ -323,8 +163,8 @@ def quantize_fp8_blockwise(x: jax.Array, *, block_major_k: bool = False,
   """
   # Type and shape checks
   op = "quantize_fp8_blockwise"
-  _check_float_input(op, "x", x)
-  _, k = _check_2d(op, "x", x)
+  check_float_input(op, "x", x)
+  _, k = check_2d(op, "x", x)
   if k % FP8_BLOCK:
     raise ValueError(f"{op}: x must be [M, K] with K % {FP8_BLOCK} == 0, got shape {tuple(x.shape)}")
   if k == 0:
@@ -369,8 +209,8 @@ def swiglu_quantize_fp8_blockwise(h: jax.Array, *, impl: str = "auto") -> tuple[
     ValueError: h is not 2-D, or 2F is not a positive multiple of 256.
   """
   op = "swiglu_quantize_fp8_blockwise"
-  _check_float_input(op, "h", h)
-  m, k2 = _check_2d(op, "h", h)
+  check_float_input(op, "h", h)
+  m, k2 = check_2d(op, "h", h)
   if k2 % (2 * FP8_BLOCK) or k2 == 0:
     raise ValueError(f"{op}: h must be [M, 2F] with F a positive multiple of {FP8_BLOCK}, got shape {tuple(h.shape)}")
   if _ffi.resolve_impl(op, impl) == "ffi":
@@ -408,7 +248,7 @@ def dequantize_fp8_blockwise(x_q: jax.Array, x_sf: jax.Array, *, block_major_k: 
   # Type and shape checks
   op = "dequantize_fp8_blockwise"
   check_fp8_blockwise(op, x_q, x_sf, block_major_k=block_major_k)
-  dtype = _check_out_dtype(op, dtype)
+  dtype = check_out_dtype(op, dtype)
   return dequantize_fp8_blockwise_reference(x_q, x_sf, block_major_k=bool(block_major_k), dtype=dtype)
 
 
@@ -486,7 +326,7 @@ def _check_kmajor_group_sizes(op: str, group_sizes: Any) -> jax.Array:
       raise TypeError(f"{op}: group_sizes must be int32 [G] (an int32 array, or a list of ints), got "
                       f"{type(group_sizes).__name__} {group_sizes!r}")
     group_sizes = jnp.asarray(values.astype(np.int32))
-  _check_dtype(op, "group_sizes", group_sizes, jnp.int32)
+  check_dtype(op, "group_sizes", group_sizes, jnp.int32)
   if len(group_sizes.shape) != 1 or not 1 <= group_sizes.shape[0] <= MAX_KMAJOR_GROUPS:
     raise ValueError(f"{op}: group_sizes must be [G] with 1 <= G <= {MAX_KMAJOR_GROUPS}, got shape "
                      f"{tuple(group_sizes.shape)}")
@@ -510,7 +350,7 @@ def quantize_fp8_grouped_kmajor_reference(x: jax.Array, group_sizes: jax.Array, 
     xt = jnp.where(is_row[None, :], xf[src].T, 0.0)  # [C, P]
   q, scale = _fp8_block_quantize(xt.reshape(c, p // FP8_BLOCK, FP8_BLOCK), (2,))
   # Padding columns are code 0 also in a block marked NaN.
-  q = _where_bits(~is_row[None, :], 0, q.reshape(c, p))
+  q = where_bits(~is_row[None, :], 0, q.reshape(c, p))
   return q, scale.T
 
 
@@ -575,17 +415,17 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
       given for a float x or missing for an FP8 x, group_sizes not [G], rows not [M] with M < 2^31).
   """
   op = "quantize_fp8_grouped_kmajor"
-  _check_array(op, "x", x)
+  check_array(op, "x", x)
   fp8 = jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
-  if not fp8 and jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
-    raise TypeError(f"{op}: x must be {_FLOAT_INPUTS_TEXT}, or float8_e4m3fn with x_sf, got {x.dtype}")
-  m, c = _check_2d(op, "x", x, "[M, C]")
+  if not fp8 and jnp.dtype(x.dtype) not in FLOAT_INPUTS:
+    raise TypeError(f"{op}: x must be {FLOAT_INPUTS_TEXT}, or float8_e4m3fn with x_sf, got {x.dtype}")
+  m, c = check_2d(op, "x", x, "[M, C]")
   if c % FP8_BLOCK or c == 0:
     raise ValueError(f"{op}: x must be [M, C] with C a positive multiple of {FP8_BLOCK}, got shape {tuple(x.shape)}")
   if fp8:
     if x_sf is None:
       raise ValueError(f"{op}: x_sf must be given for a float8_e4m3fn x (its [M, C/128] float32 scales), got None")
-    _check_dtype(op, "x_sf", x_sf, jnp.float32)
+    check_dtype(op, "x_sf", x_sf, jnp.float32)
     if tuple(x_sf.shape) != (m, c // FP8_BLOCK):
       raise ValueError(f"{op}: x_sf must be [M, C/128] = {(m, c // FP8_BLOCK)} for x of shape {(m, c)}, got shape "
                        f"{tuple(x_sf.shape)}")
@@ -594,7 +434,7 @@ def quantize_fp8_grouped_kmajor(x: jax.Array, group_sizes: Any, x_sf: Optional[j
                      f"{type(x_sf).__name__}")
   group_sizes = _check_kmajor_group_sizes(op, group_sizes)
   if rows is not None:
-    _check_array(op, "rows", rows)
+    check_array(op, "rows", rows)
     if jnp.dtype(rows.dtype) != jnp.dtype(jnp.int32):
       raise TypeError(f"{op}: rows must be int32, got {rows.dtype}")
     if rows.ndim != 1 or rows.shape[0] >= 2 ** 31:
@@ -677,7 +517,7 @@ def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array,
   """
   # Type and shape checks
   op = "quantize_fp8_weight"
-  _check_float_input(op, "w", w)
+  check_float_input(op, "w", w)
   _weight_dims(op, w, "w")
   if _ffi.resolve_impl(op, impl) == "ffi":
     *batch, n, k = w.shape
@@ -724,7 +564,7 @@ def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
   """
   # Type and shape checks
   op = "quantize_fp8_weight_with_transpose"
-  _check_float_input(op, "w", w)
+  check_float_input(op, "w", w)
   _weight_dims(op, w, "w")
   if _ffi.resolve_impl(op, impl) == "ffi":
     *batch, n, k = w.shape
@@ -766,33 +606,15 @@ def dequantize_fp8_weight(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.f
   """
   # Type and shape checks
   op = "dequantize_fp8_weight"
-  _check_dtype(op, "w_q", w_q, jnp.float8_e4m3fn)
+  check_dtype(op, "w_q", w_q, jnp.float8_e4m3fn)
   batch, n, k = _weight_dims(op, w_q, "w_q")
-  _check_dtype(op, "w_sf", w_sf, jnp.float32)
+  check_dtype(op, "w_sf", w_sf, jnp.float32)
   nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
   if tuple(w_sf.shape) != (*batch, nb, kb):
     raise ValueError(f"{op}: w_sf must be [..., ceil(N/128), ceil(K/128)] = {(*batch, nb, kb)} for w_q of shape "
                      f"{tuple(w_q.shape)}, got shape {tuple(w_sf.shape)}")
-  dtype = _check_out_dtype(op, dtype)
+  dtype = check_out_dtype(op, dtype)
   return dequantize_fp8_weight_reference(w_q, w_sf, dtype=dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# MXFP8 and NVFP4: in quant_mx, re-exported here
-# ----------------------------------------------------------------------------------------------------------------
-
-# quant_mx imports this module's helpers, so its names are looked up on first use rather than imported here.
-_MX_NAMES = frozenset({
-    "quantize_mxfp8", "quantize_mxfp8_reference", "dequantize_mxfp8", "dequantize_mxfp8_reference",
-    "quantize_nvfp4", "quantize_nvfp4_reference", "dequantize_nvfp4", "dequantize_nvfp4_reference",
-    "nvfp4_global_scale", "nvfp4_global_scale_reference"})
-
-
-def __getattr__(name: str) -> Any:
-  if name in _MX_NAMES:
-    from jax_moe_a2a import quant_mx  # pylint: disable=import-outside-toplevel
-    return getattr(quant_mx, name)
-  raise AttributeError(f"module 'jax_moe_a2a.quant' has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -814,21 +636,19 @@ def quantize(x: jax.Array, fmt: str, **kwargs: Any
   scale (None); `nvfp4` has all three. `kwargs` go to the format's quantizer (`block_major_k`, `mx_alignment`,
   `global_scale`).
   """
-  from jax_moe_a2a import quant_mx  # pylint: disable=import-outside-toplevel  (it imports this module)
-
   # Type and shape checks
   fmt = _check_format("quantize", fmt)
   if fmt == layout.BF16:
     if kwargs:
       raise TypeError(f"quantize: {fmt} takes no options, got {sorted(kwargs)}")
-    _check_float_input("quantize", "x", x)
-    _check_2d("quantize", "x", x)
+    check_float_input("quantize", "x", x)
+    check_2d("quantize", "x", x)
     return x.astype(jnp.bfloat16), None, None
   if fmt == layout.FP8_BLOCKWISE:
     return (*quantize_fp8_blockwise(x, **kwargs), None)
   if fmt == layout.MXFP8:
-    return (*quant_mx.quantize_mxfp8(x, **kwargs), None)
-  return quant_mx.quantize_nvfp4(x, **kwargs)
+    return (*quantize_mxfp8(x, **kwargs), None)
+  return quantize_nvfp4(x, **kwargs)
 
 
 def dequantize(x_q: jax.Array, x_sf: Optional[jax.Array], fmt: str, *, global_scale: Optional[jax.Array] = None,
@@ -837,8 +657,6 @@ def dequantize(x_q: jax.Array, x_sf: Optional[jax.Array], fmt: str, *, global_sc
 
   `kwargs` go to the format's dequantizer (`block_major_k`, `mx_alignment`).
   """
-  from jax_moe_a2a import quant_mx  # pylint: disable=import-outside-toplevel  (it imports this module)
-
   # Type and shape checks
   op = "dequantize"
   fmt = _check_format(op, fmt)
@@ -849,14 +667,14 @@ def dequantize(x_q: jax.Array, x_sf: Optional[jax.Array], fmt: str, *, global_sc
       raise TypeError(f"{op}: {fmt} takes no options, got {sorted(kwargs)}")
     if x_sf is not None:
       raise ValueError(f"{op}: x_sf must be None for {fmt}, got {type(x_sf).__name__}")
-    _check_dtype(op, "x_q", x_q, jnp.bfloat16)
-    return x_q.astype(_check_out_dtype(op, dtype))
+    check_dtype(op, "x_q", x_q, jnp.bfloat16)
+    return x_q.astype(check_out_dtype(op, dtype))
   if fmt == layout.FP8_BLOCKWISE:
     return dequantize_fp8_blockwise(x_q, x_sf, dtype=dtype, **kwargs)
   if fmt == layout.MXFP8:
-    return quant_mx.dequantize_mxfp8(x_q, x_sf, dtype=dtype, **kwargs)
+    return dequantize_mxfp8(x_q, x_sf, dtype=dtype, **kwargs)
   if kwargs:
     raise TypeError(f"{op}: {fmt} takes no options, got {sorted(kwargs)}")
   if global_scale is None:
     raise ValueError(f"{op}: global_scale must be given for {fmt}, got None")
-  return quant_mx.dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype)
+  return dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype)

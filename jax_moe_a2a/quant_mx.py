@@ -9,9 +9,9 @@ format      values                              scales
 ==========  ==================================  ==================================================
 
 The rules follow `jax_moe_a2a.quant`'s conventions (float32 steps in the order given, correctly rounded
-divisions, round to nearest even, NaN blocks marked with fixed bit patterns) and use its checks and helpers;
-`quant` re-exports every public name here, so ``quant.quantize_mxfp8`` and the format dispatch
-``quant.quantize(x, "nvfp4")`` keep working. The custom calls live in ffi/src/quant_mx.cc (CPU) and
+divisions, round to nearest even, NaN blocks marked with fixed bit patterns) with the helpers of
+`jax_moe_a2a.quant_base`; `quant` re-exports every public name here, so ``quant.quantize_mxfp8`` and the format
+dispatch ``quant.quantize(x, "nvfp4")`` work too. The custom calls live in ffi/src/quant_mx.cc (CPU) and
 ffi/src/quant_mx_kernels.cu (CUDA).
 """
 
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe_a2a import _ffi, layout
-from jax_moe_a2a.quant import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_NAN_BITS, E8M0_NAN_BITS, F32_NAN_BITS,
-                               FP8_AMAX_FLOOR, MX_BLOCK, NVFP4_BLOCK, _check_2d, _check_dtype, _check_float_input,
-                               _check_global_scale, _check_global_scale_value, _check_out_dtype, _e4m3_limit,
-                               _pow2, _pow2_scale_exponent, _true_div, _where_bits)
+from jax_moe_a2a.quant_base import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_NAN_BITS, E8M0_NAN_BITS, F32_NAN_BITS,
+                                    FP8_AMAX_FLOOR, MX_BLOCK, NVFP4_BLOCK, check_2d, check_dtype, check_float_input,
+                                    check_global_scale, check_global_scale_value, check_out_dtype, e4m3_limit, pow2,
+                                    pow2_scale_exponent, true_div, where_bits)
 
 # ----------------------------------------------------------------------------------------------------------------
 # MXFP8: E4M3 with one E8M0 (power-of-two) scale per 1x32 block
@@ -36,7 +36,7 @@ from jax_moe_a2a.quant import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_NAN_BITS, E
 
 def _mx_dims(op: str, name: str, x: Any, mx_alignment: Optional[int]) -> tuple[int, int, int]:
   """Checks [M, K] and the alignment; returns (M, K, scale columns)."""
-  m, k = _check_2d(op, name, x)
+  m, k = check_2d(op, name, x)
   if mx_alignment is not None and (isinstance(mx_alignment, bool) or not isinstance(mx_alignment, int)
                                    or mx_alignment <= 0 or mx_alignment % MX_BLOCK):
     raise ValueError(f"{op}: mx_alignment must be None or a positive multiple of {MX_BLOCK}, got {mx_alignment!r}")
@@ -57,12 +57,12 @@ def quantize_mxfp8_reference(x: jax.Array, *, mx_alignment: Optional[int] = None
   amax = jnp.max(jnp.abs(g), axis=2)
   bad = jnp.any(~jnp.isfinite(g), axis=2)
   # Biased (+127) exponent of the scale, clamped to E8M0's finite range.
-  biased = jnp.clip(_pow2_scale_exponent(amax), 0, 254)
+  biased = jnp.clip(pow2_scale_exponent(amax), 0, 254)
   # 1 / scale = 2^(127 - biased), a normal float32 (biased <= 247 for finite amax): the product is exact.
-  inv_scale = _pow2(254 - biased)
-  limit = _e4m3_limit(biased)[..., None]
+  inv_scale = pow2(254 - biased)
+  limit = e4m3_limit(biased)[..., None]
   q = jnp.clip(g * inv_scale[..., None], -limit, limit).astype(jnp.float8_e4m3fn)
-  q = _where_bits(bad[..., None], E4M3_NAN_BITS, q).reshape(m, cols * MX_BLOCK)[:, :k]
+  q = where_bits(bad[..., None], E4M3_NAN_BITS, q).reshape(m, cols * MX_BLOCK)[:, :k]
   biased = jnp.where(bad, E8M0_NAN_BITS, biased).astype(jnp.uint8)
   return q, jax.lax.bitcast_convert_type(biased, jnp.float8_e8m0fnu)
 
@@ -111,7 +111,7 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None,
   """
   # Type and shape checks
   op = "quantize_mxfp8"
-  _check_float_input(op, "x", x)
+  check_float_input(op, "x", x)
   _, _, cols = _mx_dims(op, "x", x, mx_alignment)
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_quantize_mxfp8(x, cols)
@@ -121,7 +121,7 @@ def quantize_mxfp8(x: jax.Array, *, mx_alignment: Optional[int] = None,
 def _canonical_nan(g: jax.Array) -> jax.Array:
   """A NaN product becomes the float32 quiet NaN 0x7FC00000 before the cast: which operand's NaN a product
   returns depends on the backend and on how the compiler orders the operands, so it is fixed here."""
-  return _where_bits(jnp.isnan(g), F32_NAN_BITS, g)
+  return where_bits(jnp.isnan(g), F32_NAN_BITS, g)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
@@ -158,13 +158,13 @@ def dequantize_mxfp8(x_q: jax.Array, x_sf: jax.Array, *, mx_alignment: Optional[
   """
   # Type and shape checks
   op = "dequantize_mxfp8"
-  _check_dtype(op, "x_q", x_q, jnp.float8_e4m3fn)
+  check_dtype(op, "x_q", x_q, jnp.float8_e4m3fn)
   m, k, cols = _mx_dims(op, "x_q", x_q, mx_alignment)
-  _check_dtype(op, "x_sf", x_sf, jnp.float8_e8m0fnu)
+  check_dtype(op, "x_sf", x_sf, jnp.float8_e8m0fnu)
   if tuple(x_sf.shape) != (m, cols):
     raise ValueError(f"{op}: x_sf must be [M, pad(K, mx_alignment) / 32] = {(m, cols)} for x_q of shape "
                      f"{(m, k)} and mx_alignment={mx_alignment}, got shape {tuple(x_sf.shape)}")
-  dtype = _check_out_dtype(op, dtype)
+  dtype = check_out_dtype(op, dtype)
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_dequantize("dequantize_mxfp8", (m, k), dtype, x_q, x_sf)
   return dequantize_mxfp8_reference(x_q, x_sf, dtype=dtype)
@@ -197,7 +197,7 @@ def _e2m1_decode(code: jax.Array) -> jax.Array:
 def nvfp4_global_scale_reference(x: jax.Array) -> jax.Array:
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.where(jnp.isfinite(xf), jnp.abs(xf), 0.0), initial=0.0)
-  return _true_div(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)), jnp.float32(E4M3_MAX * E2M1_MAX))
+  return true_div(jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR)), jnp.float32(E4M3_MAX * E2M1_MAX))
 
 
 def nvfp4_global_scale(x: jax.Array, *, impl: str = "auto") -> jax.Array:
@@ -216,7 +216,7 @@ def nvfp4_global_scale(x: jax.Array, *, impl: str = "auto") -> jax.Array:
   """
   # Type and shape checks
   op = "nvfp4_global_scale"
-  _check_float_input(op, "x", x)
+  check_float_input(op, "x", x)
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi.ffi_call("nvfp4_global_scale", jax.ShapeDtypeStruct((), jnp.float32), x)
   return nvfp4_global_scale_reference(x)
@@ -231,16 +231,16 @@ def quantize_nvfp4_reference(x: jax.Array, *, global_scale: Optional[jax.Array] 
   g = x.astype(jnp.float32).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
   amax = jnp.max(jnp.abs(g), axis=2)
   bad = jnp.any(~jnp.isfinite(g), axis=2)
-  ratio = _true_div(_true_div(amax, jnp.float32(E2M1_MAX)), gs)
+  ratio = true_div(true_div(amax, jnp.float32(E2M1_MAX)), gs)
   # ratio > 0 selects +0 for a zero, negative or NaN ratio (a bad global scale under jit): fixed bits everywhere.
   sf = jnp.where(ratio > 0, jnp.minimum(ratio, jnp.float32(E4M3_MAX)), jnp.float32(0.0)).astype(jnp.float8_e4m3fn)
   # XLA may drop a narrowing conversion followed by a widening one (excess precision, on GPUs); the barrier keeps
   # the E4M3 rounding of the scale that divides the block.
   denom = jax.lax.optimization_barrier(sf).astype(jnp.float32) * gs
-  v = jnp.where(denom[..., None] > 0, _true_div(g, denom[..., None]), 0.0)
+  v = jnp.where(denom[..., None] > 0, true_div(g, denom[..., None]), 0.0)
   code = jnp.where(bad[..., None], jnp.uint8(0), _e2m1_encode(v)).reshape(m, k // 2, 2)
   x_q = code[..., 0] | (code[..., 1] << 4)
-  return x_q, _where_bits(bad, E4M3_NAN_BITS, sf), gs
+  return x_q, where_bits(bad, E4M3_NAN_BITS, sf), gs
 
 
 def _ffi_quantize_nvfp4(x: jax.Array, global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -297,13 +297,13 @@ def quantize_nvfp4(x: jax.Array, *, global_scale: Optional[jax.Array] = None,
   """
   # Type and shape checks
   op = "quantize_nvfp4"
-  _check_float_input(op, "x", x)
-  _, k = _check_2d(op, "x", x)
+  check_float_input(op, "x", x)
+  _, k = check_2d(op, "x", x)
   if k % NVFP4_BLOCK or k == 0:
     raise ValueError(f"{op}: x must be [M, K] with K % {NVFP4_BLOCK} == 0 and K > 0, got shape {tuple(x.shape)}")
   if global_scale is not None:
-    global_scale = _check_global_scale(op, global_scale)
-    _check_global_scale_value(op, global_scale)
+    global_scale = check_global_scale(op, global_scale)
+    check_global_scale_value(op, global_scale)
   if _ffi.resolve_impl(op, impl) == "ffi":
     if global_scale is None:
       global_scale = nvfp4_global_scale(x, impl="ffi")
@@ -337,18 +337,18 @@ def dequantize_nvfp4(x_q: jax.Array, x_sf: jax.Array, global_scale: jax.Array, *
   """
   # Type and shape checks
   op = "dequantize_nvfp4"
-  _check_dtype(op, "x_q", x_q, jnp.uint8)
-  m, half_k = _check_2d(op, "x_q", x_q, "[M, K/2]")
+  check_dtype(op, "x_q", x_q, jnp.uint8)
+  m, half_k = check_2d(op, "x_q", x_q, "[M, K/2]")
   k = 2 * half_k
   if k % NVFP4_BLOCK or k == 0:
     raise ValueError(f"{op}: x_q must be [M, K/2] with K % {NVFP4_BLOCK} == 0 and K > 0, got shape "
                      f"{tuple(x_q.shape)}")
-  _check_dtype(op, "x_sf", x_sf, jnp.float8_e4m3fn)
+  check_dtype(op, "x_sf", x_sf, jnp.float8_e4m3fn)
   if tuple(x_sf.shape) != (m, k // NVFP4_BLOCK):
     raise ValueError(f"{op}: x_sf must be [M, K/16] = {(m, k // NVFP4_BLOCK)} for x_q of shape {(m, half_k)}, "
                      f"got shape {tuple(x_sf.shape)}")
-  global_scale = _check_global_scale(op, global_scale)
-  dtype = _check_out_dtype(op, dtype)
+  global_scale = check_global_scale(op, global_scale)
+  dtype = check_out_dtype(op, dtype)
   if _ffi.resolve_impl(op, impl) == "ffi":
     return _ffi_dequantize("dequantize_nvfp4", (m, k), dtype, x_q, x_sf, global_scale)
   return dequantize_nvfp4_reference(x_q, x_sf, global_scale, dtype=dtype)
