@@ -26,9 +26,14 @@ def run(executed: str | None) -> tuple[dict, bytes]:
   """Executes the notebook; returns its RESULTS record and the last figure it drew (PNG bytes)."""
   import nbclient  # pylint: disable=import-outside-toplevel
   import nbformat  # pylint: disable=import-outside-toplevel
+  from jupyter_client.manager import KernelManager  # pylint: disable=import-outside-toplevel
   nb = nbformat.read(NOTEBOOK, as_version=4)
-  nbclient.NotebookClient(nb, timeout=1200, kernel_name="python3",
-                          resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}}).execute()
+  # The kernel runs this interpreter: a kernel spec's "python" is whichever the PATH finds first, which is not this
+  # environment's when it was not activated.
+  km = KernelManager(kernel_name="python3")
+  km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+  resources = {"metadata": {"path": os.path.dirname(NOTEBOOK)}}
+  nbclient.NotebookClient(nb, km=km, timeout=1200, resources=resources).execute()
   if executed:
     nbformat.write(nb, executed)
   outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
