@@ -44,7 +44,9 @@ rows differ from bf16's (bf16_ws's) by how the layer is called alone:
 
 Forward+backward is the value and the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and
 x, as a training step takes them (with the gradient alone, XLA would prune the forward's last GEMMs, whose output
-no gradient reads).
+no gradient reads). With --micro-batches N (N >= 2), mode fwd_bwd_mb times a step of N such forward+backward passes
+accumulating the parameters' gradients in a `lax.scan` (einsum and the layer variants): what is computed once per
+step, as FP8 experts' weight quantization, is then shared by the N micro-batches (`ms_per_micro_batch`).
 
 With --check, each layer variant's output and gradients (one input set) are also compared with a float32 oracle
 of the same parameters (the layer's routing in float32, every expert run densely on every token at HIGHEST
@@ -173,7 +175,7 @@ def _layer_fns(variant: str, args, mesh, tokens: int, wire_format: Optional[str]
 
   return (lambda x, ct: fwd(trainable, frozen, x)), \
       (None if fwd_bwd is None else (lambda x, ct: fwd_bwd(trainable, frozen, x, ct))), inputs, ws, \
-      (fwd, fwd_bwd, (trainable, frozen)), accuracy
+      (fwd, fwd_bwd, (trainable, frozen)), accuracy, (None if fwd_bwd is None else (loss, (0, 2)))
 
 
 def _oracle_loss(config: moe.MoEConfig):
@@ -249,7 +251,7 @@ def _einsum_fns(args, mesh, tokens: int):
     return x, ct
 
   return (lambda x, ct: fwd(w_gu, w_dn, x)), (lambda x, ct: fwd_bwd(w_gu, w_dn, x, ct)), inputs, None, \
-      (fwd, fwd_bwd, (w_gu, w_dn)), None
+      (fwd, fwd_bwd, (w_gu, w_dn)), None, (loss, (0, 1, 2))
 
 
 def _flax_fns(variant: str, args, mesh, tokens: int):
@@ -318,12 +320,40 @@ def _flax_fns(variant: str, args, mesh, tokens: int):
       out["grad_x"] = calc_diff(d_x, o_x)
     return {k: float(f"{v:.3g}") for k, v in out.items()}
 
-  return fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy
+  return fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Measurements
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _micro_batched(loss, argnums: tuple[int, ...], params: tuple, n: int, inputs):
+  """A training step over n micro-batches, as gradient accumulation runs: a `lax.scan` over x and ct stacked on a
+  leading axis, each micro-batch's value and gradients (of `loss(*params, x, ct)` at `argnums`, x's last) taken
+  with the parameters closed over, the parameters' gradients summed and x's kept per micro-batch. Returns the jitted
+  step and the make-inputs function of its stacked (xs, cts)."""
+  value_and_grad = jax.value_and_grad(loss, argnums=argnums)
+
+  def step(*args):
+    *p, xs, cts = args
+
+    def body(acc, xc):
+      value, grads = value_and_grad(*p, *xc)
+      return (acc[0] + value, jax.tree.map(jnp.add, acc[1], grads[:-1])), grads[-1]
+
+    init = (jnp.zeros((), jnp.float32), tuple(jax.tree.map(jnp.zeros_like, p[i]) for i in argnums[:-1]))
+    return jax.lax.scan(body, init, (xs, cts))
+
+  def stacked_inputs(i):
+    sets = [inputs(i * n + j) for j in range(n)]
+    out = []
+    for a in zip(*sets):
+      sharding = jax.sharding.NamedSharding(a[0].sharding.mesh, jax.sharding.PartitionSpec(None, *a[0].sharding.spec))
+      out.append(jax.device_put(jnp.stack(a), sharding))
+    return tuple(out)
+
+  return jax.jit(step), stacked_inputs
 
 
 def _op_names(hlo_text: str) -> dict[str, str]:
@@ -445,15 +475,16 @@ def run(args) -> list[dict]:
       wire = (wire_format or own_wire(variant)) if layer else ("bf16" if variant in FLAX_VARIANTS else None)
       try:
         if variant == "einsum":
-          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _einsum_fns(args, mesh, tokens)
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy, train = _einsum_fns(args, mesh, tokens)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = (jfb, (*p, *inputs(0)))
         elif variant in FLAX_VARIANTS:
-          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _flax_fns(variant, args, mesh, tokens)
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy, train = _flax_fns(variant, args, mesh, tokens)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         else:
-          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy = _layer_fns(variant, args, mesh, tokens, wire_format)
+          fwd, fwd_bwd, inputs, ws, (jf, jfb, p), accuracy, train = _layer_fns(variant, args, mesh, tokens,
+                                                                               wire_format)
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         input_sets = [inputs(i) for i in range(args.input_sets)]
@@ -466,6 +497,19 @@ def run(args) -> list[dict]:
             row["wire_format"] = wire
             row["wire_bytes_per_token"] = layout.dispatch_layout(args.hidden, wire, top_k=args.top_k).bytes_per_token
           rows.append(row)
+        if args.micro_batches > 1 and train is not None:
+          n = args.micro_batches
+          step, stacked_inputs = _micro_batched(*train, p, n, inputs)
+          mb_sets = [stacked_inputs(i) for i in range(args.input_sets)]
+          row = _measure(label, "fwd_bwd_mb", lambda xs, cts: step(*p, xs, cts), step, (*p, *mb_sets[0]), mb_sets,
+                         n * 3 * fwd_flops, args)
+          row.update(tokens_per_device=tokens, micro_batches=n, ms_per_micro_batch=row["ms"] / n)
+          if wire is not None:
+            row["wire_format"] = wire
+            row["wire_bytes_per_token"] = layout.dispatch_layout(args.hidden, wire, top_k=args.top_k).bytes_per_token
+          print(f"  {label:>16} fwd_bwd_mb: {row['ms_per_micro_batch']:9.3f} ms per micro-batch of {n}", flush=True)
+          rows.append(row)
+          del mb_sets
         if args.check and accuracy is not None:
           acc = accuracy(*input_sets[0])
           print(f"  {label:>16} calc_diff vs float32 oracle: " + ", ".join(f"{k} {v:.2e}" for k, v in acc.items()),
@@ -524,6 +568,8 @@ def main(argv=None) -> int:
   p.add_argument("--wire-formats", nargs="+", default=None, choices=layout.FORMATS,
                  help="run each layer variant once per wire format (default: each on its own wire)")
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+  p.add_argument("--micro-batches", type=int, default=0,
+                 help="also time a training step over this many micro-batches (mode fwd_bwd_mb, >= 2)")
   p.add_argument("--reference-max-tokens", type=positive_int, default=4096,
                  help="largest token count the reference variant runs at")
   p.add_argument("--twin-max-tokens", dest="reference_max_tokens", type=positive_int, default=argparse.SUPPRESS,
@@ -543,6 +589,8 @@ def main(argv=None) -> int:
   for name in ("local_experts", "hidden", "ffn", "top_k", "runs", "input_sets", "chain"):
     if getattr(args, name) <= 0:
       p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+  if args.micro_batches == 1 or args.micro_batches < 0:
+    p.error(f"--micro-batches must be 0 (off) or >= 2, got {args.micro_batches}")
   if any(t <= 0 for t in args.tokens):
     p.error(f"--tokens must be positive, got {args.tokens}")
   for fmt in args.wire_formats or ():

@@ -1,11 +1,13 @@
 """The benchmark scripts run end to end on the simulated CPU devices (tiny sizes), so CI keeps them working."""
 
+import argparse
 import importlib
 import json
 import os
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import skip_without_one_sided_backward
@@ -136,6 +138,38 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
       assert set(acc) == want_keys
       out_tol, grad_tol = (1e-4, 5e-4) if r["variant"] in ("reference", "bf16") else (5e-3, 2e-2)
       assert acc["output"] < out_tol and all(v < grad_tol for k, v in acc.items() if k != "output"), (r["variant"], acc)
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_bench_layer_times_a_step_of_micro_batches(tmp_path):
+  """--micro-batches N: a fwd_bwd_mb row per training variant (einsum, the layer; not stored FP8, which has no
+  backward), FLOPs of N forward+backward passes, the time per micro-batch beside the step's; the step's gradients
+  are the sums of the micro-batches' (checked on the layer's program itself)."""
+  bench_layer = _import_bench("bench_layer")
+  variants = ["einsum", "fp8_fp8bwd", "fp8_stored"]
+  assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
+                           "2", "--runs", "2", "--input-sets", "2", "--chain", "2", "--variants", *variants,
+                           "--modes", "fwd_bwd", "--micro-batches", "3", "--no-stages", "--out", str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rows = {(r["variant"], r["mode"]): r for r in json.loads(path.read_text())["rows"]}
+  assert set(rows) == {("einsum", "fwd_bwd"), ("einsum", "fwd_bwd_mb"), ("fp8_fp8bwd", "fwd_bwd"),
+                       ("fp8_fp8bwd", "fwd_bwd_mb")}
+  for v in ("einsum", "fp8_fp8bwd"):
+    one, mb = rows[(v, "fwd_bwd")], rows[(v, "fwd_bwd_mb")]
+    assert mb["micro_batches"] == 3 and mb["ms_per_micro_batch"] == pytest.approx(mb["ms"] / 3)
+    assert mb["tflops"] * mb["ms"] == pytest.approx(3 * one["tflops"] * one["ms"])  # 3x the FLOPs
+
+  mesh = jax.make_mesh((1, jax.device_count()), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  args = argparse.Namespace(hidden=128, ffn=128, top_k=2, local_experts=2)
+  _, one_step, inputs, _, (_, _, p), _, train = bench_layer._layer_fns("fp8_fp8bwd", args, mesh, 16)
+  step, stacked = bench_layer._micro_batched(*train, p, 2, inputs)
+  (value, grads), dxs = step(*p, *stacked(0))
+  (v0, (g0, _)), (v1, (g1, dx1)) = one_step(*inputs(0)), one_step(*inputs(1))
+  assert float(value) == pytest.approx(float(v0) + float(v1), rel=1e-5)
+  for name in g0:
+    want = np.asarray(g0[name], np.float32) + np.asarray(g1[name], np.float32)
+    np.testing.assert_allclose(np.asarray(grads[0][name], np.float32), want, rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(dxs[1], np.float32), np.asarray(dx1, np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
