@@ -8,8 +8,9 @@ T tokens per device), the compiled temp bytes (`compile().memory_analysis()`), t
 on GPUs the SM clock and power draw sampled while the steps ran (`common.GpuClocks`: at the power cap, the clock
 sets the step time), and the time per named stage (router, wire encode, dispatch, wire decode, permute, experts,
 unpermute, combine, ...) from a profiler trace: each kernel is attributed to the innermost stage scope in its HLO
-instruction's op_name; each stage's largest kernels are listed with their HLO shape (`stage_top`), and so are the
-kernels no stage claims (`unattributed_top`).
+instruction's op_name; each stage's largest kernels are listed with their HLO shape and the GB/s of their operands'
+and results' bytes over their time (`stage_top`: what a memory-bound kernel gets of the HBM's bandwidth), and so are
+the kernels no stage claims (`unattributed_top`).
 
 Variants (all with bfloat16 compute and bfloat16 parameters):
   einsum         baseline: an equal-capacity batched einsum of the same FLOPs (T*k/E rows per local expert, no
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import re
 import signal
@@ -411,14 +413,44 @@ def _stage_times(fn, call_args: tuple, hlo_text: str, runs: int = 2) -> tuple[di
   top: dict[str, list] = {}  # per stage ("other" too), its largest kernels, in ms averaged over devices
   for (stage, k), v in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
     if len(top.setdefault(stage, [])) < 12:
-      top[stage].append((k, round(v / len(per_device), 4), _hlo_shape(hlo_text, k)))
+      ms = v / len(per_device)
+      top[stage].append((k, round(ms, 4), _hlo_shape(hlo_text, k), round(_hlo_bytes(hlo_text, k) / ms / 1e6, 1)))
   return slowest, top.pop("other", []), top
 
 
+def _result_shape(hlo_text: str, name: str) -> str:
+  """The result shape (a tuple's whole) of HLO instruction `name` in a compiled module's text ('' if not found)."""
+  m = re.search(r"^\s*(?:ROOT\s+)?%?" + re.escape(name) + r"\s*=\s*(\([^)]*\)|\S+)", hlo_text, re.M)
+  return m.group(1) if m else ""
+
+
 def _hlo_shape(hlo_text: str, name: str) -> str:
-  """The result shape of HLO instruction `name` in a compiled module's text ('' if not found)."""
-  m = re.search(r"^\s*(?:ROOT\s+)?%?" + re.escape(name) + r"\s*=\s*(\S+)", hlo_text, re.M)
-  return m.group(1)[:80] if m else ""
+  """`_result_shape`, cut to 80 characters for a report."""
+  return _result_shape(hlo_text, name)[:80]
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2,
+                "bf16": 2, "f32": 4, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5}
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> float:
+  """Bytes of every array shape written in `text` (a tuple's elements summed)."""
+  return sum(_DTYPE_BYTES[d] * math.prod(int(n) for n in dims.split(",") if n) for d, dims in _SHAPE.findall(text))
+
+
+def _hlo_bytes(hlo_text: str, name: str) -> float:
+  """Bytes HLO instruction `name` reads and writes if it touches each operand and result once: its result shape's
+  bytes plus those of its operands' (looked up by name in the module's text); 0 if not found. An estimate of the
+  memory traffic of a kernel, to set against its time (an upper bound where a kernel reads part of an operand)."""
+  line = re.search(r"^\s*(?:ROOT\s+)?%?" + re.escape(name) + r"\s*=\s*(.*)$", hlo_text, re.M)
+  if not line:
+    return 0.0
+  m = re.match(r"(\([^)]*\)|\S+)\s+[\w\-]+\(([^)]*)\)", line.group(1))
+  if not m:
+    return 0.0
+  operands = re.findall(r"%([\w.\-]+)", m.group(2))
+  return _shape_bytes(m.group(1)) + sum(_shape_bytes(_result_shape(hlo_text, o)) for o in operands)
 
 
 def _measure(name: str, mode: str, fn, jitted, jit_args, input_sets, flops: float, args) -> dict:

@@ -241,6 +241,14 @@ def test_bench_layer_attributes_ops_to_their_innermost_stage():
   assert bench_layer._hlo_shape(hlo, "fusion.3") == "bf16[4,8]{1,0}"  # pylint: disable=protected-access
   assert bench_layer._hlo_shape(hlo, "custom-call.1") == "f32[2]{0}"  # pylint: disable=protected-access
   assert bench_layer._hlo_shape(hlo, "fusion.4") == ""  # pylint: disable=protected-access
+  # A kernel's bytes: its result's and its operands' (by name, a tuple's elements summed), for GB/s in stage_top.
+  hlo = ('  %p = bf16[4,8]{1,0} parameter(0)\n  %q = (f8e4m3fn[16]{0}, f32[2]{0}) custom-call(%p)\n'
+         '  %g = f32[2]{0} get-tuple-element(%q), index=1\n'
+         '  ROOT %fusion.9 = f32[4,8]{1,0} fusion(%p, %q, %g), kind=kLoop, calls=%fused, metadata={op_name="a/b"}\n')
+  hlo_bytes = bench_layer._hlo_bytes  # pylint: disable=protected-access
+  assert hlo_bytes(hlo, "fusion.9") == 4 * 8 * 4 + 4 * 8 * 2 + (16 + 8) + 8
+  assert hlo_bytes(hlo, "q") == 16 + 8 + 64
+  assert hlo_bytes(hlo, "nothing") == 0
 
 
 def test_fp8_error_budget_adds_up_and_refuses_sizes_off_the_blocks(capsys):
