@@ -442,10 +442,12 @@ def mlp_fp8_forward(st: Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up
 
 def _kept_gate_up(st: Fp8MlpStatic, h: jax.Array):
   """What the backward keeps of the gate/up rows h [..., 2F]: h itself (bfloat16), or for the FP8 backward its
-  1x128 FP8 codes and scales (half the bytes; the backward's SwiGLU derivative then starts from these values)."""
+  1x128 FP8 codes and the scales' exponents (`scale_exponents`): 2F + 2F/128 bytes a row against 4F, and the
+  backward's SwiGLU derivative then starts from these values."""
   if st.backward == "bf16":
     return h
-  return quantize_rows(h, st.impl)
+  q, sf = quantize_rows(h, st.impl)
+  return q, scale_exponents(sf)
 
 
 def gate_up_rows(kept) -> jax.Array:
@@ -453,10 +455,26 @@ def gate_up_rows(kept) -> jax.Array:
   in bfloat16, whose exponent range is float32's)."""
   if not isinstance(kept, tuple):
     return kept
-  q, sf = kept
+  q, exponents = kept
   f = q.shape[-1]
+  sf = scales_from_exponents(exponents)
   return quant.dequantize_fp8_blockwise(q.reshape(-1, f), sf.reshape(-1, f // quant.FP8_BLOCK),
                                         dtype=jnp.bfloat16).reshape(q.shape)
+
+
+def scale_exponents(sf: jax.Array) -> jax.Array:
+  """1x128 FP8 scales as made by `quant.quantize_fp8_blockwise` (powers of two 2^(b - 127) with b in [1, 253], or
+  the NaN marker) in one byte each: b, or 255 for NaN. `scales_from_exponents` gives back the same float32 bits; no
+  other value survives the round trip, so this is only for scales that quantizer made."""
+  bits = jax.lax.bitcast_convert_type(sf.astype(jnp.float32), jnp.uint32)
+  return jnp.where(jnp.isnan(sf), jnp.uint8(255), (bits >> 23).astype(jnp.uint8))
+
+
+def scales_from_exponents(exponents: jax.Array) -> jax.Array:
+  """The float32 scales of `scale_exponents`' bytes, bit for bit (255: the quantizer's NaN marker)."""
+  e = exponents.astype(jnp.uint32)
+  bits = jnp.where(e == 255, jnp.uint32(quant.F32_NAN_BITS), e << 23)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _weights_for_backward(st: Fp8MlpStatic, w_gate_up, w_down, fp8, fp8_t):

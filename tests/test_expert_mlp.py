@@ -151,3 +151,51 @@ def test_an_unknown_backward_is_refused():
   x = jnp.zeros((4, HIDDEN), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"swiglu_mlp_fp8: backward must be one of bf16, fp8_dgrad, fp8, got 'fp4'"):
     expert_mlp.swiglu_mlp_fp8(x, jnp.asarray([4, 0, 0], jnp.int32), _weights(0), backward="fp4")
+
+
+def test_kept_scale_exponents_give_back_the_quantizers_scales_bit_for_bit():
+  """The FP8 backward keeps the gate/up rows' 1x128 scales as one exponent byte each: every scale the quantizer can
+  make (all-zero, tiny, huge, NaN and infinite blocks included) comes back with its float32 bits, so the decoded
+  gate/up rows are those of the float32 scales."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 8 * quant.FP8_BLOCK)).astype(np.float32)
+  x[0] = 0.0
+  x[1] *= 1e-30
+  x[2] *= 1e36
+  x[3, 5], x[4, 200], x[5, 7] = np.nan, np.inf, 3.0e38
+  x[6, :128] = np.finfo(np.float32).tiny
+  q, sf = quant.quantize_fp8_blockwise(jnp.asarray(x), impl="reference")
+  e = expert_mlp.scale_exponents(sf)
+  assert e.dtype == jnp.uint8
+  back = expert_mlp.scales_from_exponents(e)
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint32), np.asarray(sf).view(np.uint32))
+  want = quant.dequantize_fp8_blockwise(q, sf, dtype=jnp.bfloat16)
+  got = expert_mlp.gate_up_rows((q, e))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+@pytest.mark.parametrize("backward,limit_kib", [("fp8", 40), ("bf16", 72)])
+def test_bytes_the_backward_keeps_per_token(backward, limit_kib):
+  """What the expert stage keeps per token for its backward, at DeepSeek-V3's shapes (hidden 7168, ffn 2048, top-8):
+  with the FP8 recipe at most 40 KiB (the received row's FP8 codes and scales, the k gate/up rows' codes and scale
+  exponents, routing and permutation indices), against 71.4 KiB with the bf16 backward's bfloat16 gate/up rows. The
+  per-token part of the VJP's residuals, from their shapes at two token counts."""
+  from jax_moe_a2a import experts  # pylint: disable=import-outside-toplevel
+  hidden, ffn, top_k, num_experts = 7168, 2048, 8, 32
+  sds = jax.ShapeDtypeStruct
+
+  def kept_bytes(tokens):
+    ids = jnp.zeros((1, tokens, top_k), jnp.int32)
+
+    def vjp_of(x, w, gu, dn):
+      stage = lambda x, w, gu, dn: experts.expert_stage(x, ids, w, expert_mlp.ExpertWeights(gu, dn),
+                                                        precision="fp8", backward=backward, impl="reference")
+      return jax.vjp(stage, x, w, gu, dn)[1]
+
+    residuals = jax.eval_shape(vjp_of, sds((1, tokens, hidden), jnp.bfloat16), sds((1, tokens, top_k), jnp.float32),
+                               sds((num_experts, 2 * ffn, hidden), jnp.bfloat16),
+                               sds((num_experts, hidden, ffn), jnp.bfloat16))
+    return sum(r.size * r.dtype.itemsize for r in jax.tree.leaves(residuals))
+
+  per_token = (kept_bytes(2048) - kept_bytes(1024)) / 1024
+  assert per_token <= limit_kib * 1024, per_token / 1024
