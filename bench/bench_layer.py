@@ -520,27 +520,25 @@ def run(args) -> list[dict]:
           jit_fwd = (jf, (*p, inputs(0)[0]))
           jit_bwd = None if jfb is None else (jfb, (*p, *inputs(0)))
         input_sets = [inputs(i) for i in range(args.input_sets)]
+        # What every row of this variant records besides its timing: the tokens, and for the layer its wire.
+        wire_fields = {"tokens_per_device": tokens}
+        if wire is not None:
+          wire_fields.update(wire_format=wire, wire_bytes_per_token=layout.dispatch_layout(
+              args.hidden, wire, top_k=args.top_k).bytes_per_token)
         for mode, fn, jitted, flops in (("fwd", fwd, jit_fwd, fwd_flops), ("fwd_bwd", fwd_bwd, jit_bwd, 3 * fwd_flops)):
           if fn is None or mode not in args.modes:
             continue
           row = _measure(label, mode, fn, jitted[0], jitted[1], input_sets, flops, args)
-          row["tokens_per_device"] = tokens
-          if wire is not None:
-            row["wire_format"] = wire
-            row["wire_bytes_per_token"] = layout.dispatch_layout(args.hidden, wire, top_k=args.top_k).bytes_per_token
-          rows.append(row)
+          rows.append(row | wire_fields)
         if args.micro_batches > 1 and train is not None:
           n = args.micro_batches
           step, stacked_inputs = _micro_batched(*train, p, n, inputs)
           mb_sets = [stacked_inputs(i) for i in range(args.input_sets)]
           row = _measure(label, "fwd_bwd_mb", lambda xs, cts: step(*p, xs, cts), step, (*p, *mb_sets[0]), mb_sets,
                          n * 3 * fwd_flops, args)
-          row.update(tokens_per_device=tokens, micro_batches=n, ms_per_micro_batch=row["ms"] / n)
-          if wire is not None:
-            row["wire_format"] = wire
-            row["wire_bytes_per_token"] = layout.dispatch_layout(args.hidden, wire, top_k=args.top_k).bytes_per_token
+          row.update(micro_batches=n, ms_per_micro_batch=row["ms"] / n)
           print(f"  {label:>16} fwd_bwd_mb: {row['ms_per_micro_batch']:9.3f} ms per micro-batch of {n}", flush=True)
-          rows.append(row)
+          rows.append(row | wire_fields)
           del mb_sets
         if args.check and accuracy is not None:
           acc = accuracy(*input_sets[0])

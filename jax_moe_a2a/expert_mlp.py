@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe_a2a import grouped_gemm, quant
+from jax_moe_a2a.quant_base import F32_NAN_BITS, pow2, where_bits
 
 
 @jax.tree_util.register_dataclass
@@ -472,9 +473,7 @@ def scale_exponents(sf: jax.Array) -> jax.Array:
 
 def scales_from_exponents(exponents: jax.Array) -> jax.Array:
   """The float32 scales of `scale_exponents`' bytes, bit for bit (255: the quantizer's NaN marker)."""
-  e = exponents.astype(jnp.uint32)
-  bits = jnp.where(e == 255, jnp.uint32(quant.F32_NAN_BITS), e << 23)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+  return where_bits(exponents == 255, F32_NAN_BITS, pow2(exponents.astype(jnp.uint32)))
 
 
 def _weights_for_backward(st: Fp8MlpStatic, w_gate_up, w_down, fp8, fp8_t):
