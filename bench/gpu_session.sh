@@ -43,11 +43,15 @@ if [ "$tests" != "none" ]; then
   tail -n 25 "$LOG_DIR/pytest.log"
   if [ "$rc" -ne 0 ]; then echo "TESTS FAILED (exit $rc)"; status=1; fi
 fi
+# Results reach $OUT after each benchmark, so that those finished survive a run stopped at its time limit.
+copy_results() {
+  if [ -n "${OUT:-}" ]; then
+    find bench/results \( -name "*.json" -o -name "*.png" \) -newer "$marker" -exec cp {} "$OUT"/ \;
+  fi
+}
 for spec in "$@"; do
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-180}" "$PY" -m jax_moe_a2a bench $spec || { echo "BENCH $spec FAILED"; status=1; }
+  copy_results
 done
-if [ -n "${OUT:-}" ]; then
-  find bench/results \( -name "*.json" -o -name "*.png" \) -newer "$marker" -exec cp {} "$OUT"/ \;
-fi
 exit $status
