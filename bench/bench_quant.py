@@ -6,6 +6,12 @@ Bytes moved = what the op reads + what it writes, at the sizes of its arrays (bf
   kmajor G<g>               `quant.quantize_fp8_grouped_kmajor` of --groups equal groups (the weight gradient's
                             operands): x read once, q_t [K, P] and sf_t [P/128, K] written, P = round_up(M, 128)
                             + 128 G (padding included)
+  kmajor_fp8 G<g>           the same from E4M3 codes and their 1x128 scales read through a row gather (the layer's
+                            form: the forward's kept codes in the sorted order of the backward): codes, scales and
+                            row ids read, the same written
+  weight, weight_t          `quant.quantize_fp8_weight` of x as one [M, K] weight (128x128 blocks): x read, codes and
+                            a float32 scale per block written; weight_t `quantize_fp8_weight_with_transpose`, the
+                            transposed codes [K, M] written too
   mxfp8                     x read; E4M3 codes and an E8M0 byte per 32 values written
   mxfp8->bf16               codes and scales read, bf16 values written
   nvfp4 gs                  given global scale: x read; E2M1 codes (half a byte/value) and an E4M3 byte per 16
@@ -33,9 +39,10 @@ from common import int_in, positive_int, time_per_call, write_result  # noqa: E4
 
 from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
-OPS = ("fp8", "fp8_bmk", "kmajor", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4", "nvfp4_amax", "nvfp4_dequant")
+OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4", "nvfp4_amax", "nvfp4_dequant")
 _LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
-           "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16"}
+           "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16",
+           "weight": "weight", "weight_t": "weight+T"}
 
 
 def _op(name: str, m: int, k: int, groups: int):
@@ -51,6 +58,17 @@ def _op(name: str, m: int, k: int, groups: int):
     p_len = quant.grouped_kmajor_length(m, groups)
     return (lambda x, impl: quant.quantize_fp8_grouped_kmajor(x, sizes, impl=impl),
             2 * mk + k * p_len + (p_len // 128) * k * 4, same)
+  if name == "kmajor_fp8":
+    sizes = jnp.full((groups,), m // groups, jnp.int32).at[-1].add(m % groups)
+    p_len = quant.grouped_kmajor_length(m, groups)
+    rows = jax.random.permutation(jax.random.key(0), m).astype(jnp.int32)
+    return (lambda q, sf, impl: quant.quantize_fp8_grouped_kmajor(q, sizes, sf, rows=rows, impl=impl),
+            mk + (mk // 128) * 4 + m * 4 + k * p_len + (p_len // 128) * k * 4,
+            lambda x: quant.quantize_fp8_blockwise(x, impl="reference"))
+  if name in ("weight", "weight_t"):
+    fn = quant.quantize_fp8_weight_with_transpose if name == "weight_t" else quant.quantize_fp8_weight
+    return (lambda x, impl: fn(x, impl=impl), 2 * mk + mk * (2 if name == "weight_t" else 1) + (mk // 128 // 128) * 4,
+            same)
   if name == "mxfp8":
     return lambda x, impl: quant_mx.quantize_mxfp8(x, impl=impl), 2 * mk + mk + mk // 32, same
   if name == "mxfp8_dequant":
@@ -105,10 +123,10 @@ def main(argv=None) -> int:
           row = {"m": m, "k": k, "op": name, "impl": impl, "repeat": repeat, "bytes": nbytes, "gb_per_s": gbps, **t}
           if name in ("fp8", "fp8_bmk"):
             row["block_major_k"] = name == "fp8_bmk"
-          if name == "kmajor":
+          if name in ("kmajor", "kmajor_fp8"):
             row["grouped_kmajor_groups"] = args.groups
           rows.append(row)
-          label = _LABELS.get(name, f"kmajor G{args.groups}")
+          label = _LABELS.get(name, f"{name} G{args.groups}")
           print(f"{m:>6} {k:>6} {label:>13} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}", flush=True)
       del op_sets, flat
     del sets
