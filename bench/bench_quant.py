@@ -39,7 +39,8 @@ from common import int_in, positive_int, time_per_call, write_result  # noqa: E4
 
 from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
-OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4", "nvfp4_amax", "nvfp4_dequant")
+OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4",
+       "nvfp4_amax", "nvfp4_dequant")
 _LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
            "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16",
            "weight": "weight", "weight_t": "weight+T"}
@@ -53,22 +54,20 @@ def _op(name: str, m: int, k: int, groups: int):
     bmk = name == "fp8_bmk"
     return (lambda x, impl: quant.quantize_fp8_blockwise(x, block_major_k=bmk, impl=impl),
             2 * mk + mk + (mk // 128) * 4, same)
-  if name == "kmajor":
+  if name in ("kmajor", "kmajor_fp8"):
     sizes = jnp.full((groups,), m // groups, jnp.int32).at[-1].add(m % groups)
     p_len = quant.grouped_kmajor_length(m, groups)
-    return (lambda x, impl: quant.quantize_fp8_grouped_kmajor(x, sizes, impl=impl),
-            2 * mk + k * p_len + (p_len // 128) * k * 4, same)
-  if name == "kmajor_fp8":
-    sizes = jnp.full((groups,), m // groups, jnp.int32).at[-1].add(m % groups)
-    p_len = quant.grouped_kmajor_length(m, groups)
+    written = k * p_len + (p_len // 128) * k * 4
+    if name == "kmajor":
+      return lambda x, impl: quant.quantize_fp8_grouped_kmajor(x, sizes, impl=impl), 2 * mk + written, same
     rows = jax.random.permutation(jax.random.key(0), m).astype(jnp.int32)
     return (lambda q, sf, impl: quant.quantize_fp8_grouped_kmajor(q, sizes, sf, rows=rows, impl=impl),
-            mk + (mk // 128) * 4 + m * 4 + k * p_len + (p_len // 128) * k * 4,
-            lambda x: quant.quantize_fp8_blockwise(x, impl="reference"))
+            mk + (mk // 128) * 4 + m * 4 + written, lambda x: quant.quantize_fp8_blockwise(x, impl="reference"))
   if name in ("weight", "weight_t"):
-    fn = quant.quantize_fp8_weight_with_transpose if name == "weight_t" else quant.quantize_fp8_weight
-    return (lambda x, impl: fn(x, impl=impl), 2 * mk + mk * (2 if name == "weight_t" else 1) + (mk // 128 // 128) * 4,
-            same)
+    transposed = name == "weight_t"
+    fn = quant.quantize_fp8_weight_with_transpose if transposed else quant.quantize_fp8_weight
+    scales = -(-m // 128) * (k // 128) * 4
+    return lambda x, impl: fn(x, impl=impl), 2 * mk + (2 if transposed else 1) * mk + scales, same
   if name == "mxfp8":
     return lambda x, impl: quant_mx.quantize_mxfp8(x, impl=impl), 2 * mk + mk + mk // 32, same
   if name == "mxfp8_dequant":
