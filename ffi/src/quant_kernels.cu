@@ -45,39 +45,6 @@ constexpr int kManyUnroll = 8;
 constexpr int kFewUnroll = 2;
 constexpr int64_t kMinBlocks = 4 * 132;
 
-template <typename T>
-__device__ __forceinline__ void Unpack(const uint4& raw, float* v);
-
-template <>
-__device__ __forceinline__ void Unpack<__nv_bfloat16>(const uint4& raw, float* v) {
-  const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Unpack<__half>(const uint4& raw, float* v) {
-  const auto* p = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Unpack<float>(const uint4& raw, float* v) {
-  v[0] = __uint_as_float(raw.x);
-  v[1] = __uint_as_float(raw.y);
-  v[2] = __uint_as_float(raw.z);
-  v[3] = __uint_as_float(raw.w);
-}
-
 template <int kVec>
 __device__ __forceinline__ void StoreBytes(uint8_t* dst, const uint8_t* bytes);
 
@@ -238,7 +205,11 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
 // shared 128x128 tile, then each thread reads a 16-row x 4-column piece of it as sixteen 4-byte words (a warp reads
 // whole tile rows: no bank conflicts), transposes it in registers with byte permutes, and writes four 16-byte
 // pieces of w_q_t rows. The weights are still read once.
-template <typename T, bool kTransposed>
+//
+// With kStaged, the pieces go to dynamic shared memory by cp.async instead of registers (piece p of thread t at
+// p * kThreads + t; only its own thread reads it, so no barrier): fewer registers per thread, more tiles per SM in
+// flight.
+template <typename T, bool kTransposed, bool kStaged>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __restrict__ w,
                                                                     uint8_t* __restrict__ w_q,
                                                                     float* __restrict__ w_sf,
@@ -255,18 +226,36 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   const T* src = w + batch * n * k;
   uint8_t* dst = w_q + batch * n * k;
 
-  uint4 raw[kPasses];
+  extern __shared__ uint4 staged[];  // kStaged: [kPasses][kThreads] pieces
+  uint4 raw[kStaged ? 1 : kPasses];
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t row = row0 + p * kRowsPerPass;
-    raw[p] = (row < n && col < k) ? LoadStreaming(src + row * k + col) : make_uint4(0, 0, 0, 0);
+    const bool inside = row < n && col < k;
+    if constexpr (kStaged) {
+      if (inside) {
+        CopyAsync16(&staged[p * kThreads + threadIdx.x], src + row * k + col);
+      } else {
+        staged[p * kThreads + threadIdx.x] = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      raw[p] = inside ? LoadStreaming(src + row * k + col) : make_uint4(0, 0, 0, 0);
+    }
   }
+  if constexpr (kStaged) WaitCopies();
+  const auto piece = [&](int p) -> uint4 {
+    if constexpr (kStaged) {
+      return staged[p * kThreads + threadIdx.x];
+    } else {
+      return raw[p];
+    }
+  };
   float amax = 0.0f;
   int finite = 1;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     float v[kVec];
-    Unpack<T>(raw[p], v);
+    Unpack<T>(piece(p), v);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       finite &= isfinite(v[i]) ? 1 : 0;
@@ -297,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   for (int p = 0; p < kPasses; ++p) {
     const int64_t row = row0 + p * kRowsPerPass;
     float v[kVec];
-    Unpack<T>(raw[p], v);
+    Unpack<T>(piece(p), v);
     uint8_t bytes[kVec];
     scale = EncodePiece<kVec>(v, amax, finite, bytes);
     if (row < n && col < k) StoreBytes<kVec>(dst + row * k + col, bytes);
@@ -335,16 +324,36 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   }
 }
 
+// staged: the kStaged kernel, for 2-byte inputs (their 32 KB of pieces fit the default dynamic shared memory size;
+// float32 weights keep the register kernel).
 template <typename T>
 cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float* w_sf, uint8_t* w_q_t,
-                         int64_t batch, int64_t n, int64_t k) {
+                         int64_t batch, int64_t n, int64_t k, bool staged) {
   const dim3 grid(static_cast<unsigned>((k + kGroup - 1) / kGroup), static_cast<unsigned>((n + kGroup - 1) / kGroup),
                   static_cast<unsigned>(batch));
   const auto* wt = static_cast<const T*>(w);
+  constexpr size_t kStagedBytes = static_cast<size_t>(kGroup) * kGroup * sizeof(T);
+  if constexpr (sizeof(T) == 2) {
+    if (staged) {
+      // With the transposed tile (16 KB static) the block needs just over 48 KB, the size a kernel gets without
+      // asking; the attribute is the current device's, so it is set at each launch.
+      const auto launch = [&](auto kernel, uint8_t* transposed) {
+        if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kStagedBytes));
+            err != cudaSuccess) {
+          return err;
+        }
+        kernel<<<grid, kThreads, kStagedBytes, stream>>>(wt, w_q, w_sf, transposed, n, k);
+        return cudaGetLastError();
+      };
+      return w_q_t != nullptr ? launch(QuantizeFp8WeightKernel<T, true, true>, w_q_t)
+                              : launch(QuantizeFp8WeightKernel<T, false, true>, nullptr);
+    }
+  }
   if (w_q_t != nullptr) {
-    QuantizeFp8WeightKernel<T, true><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, w_q_t, n, k);
+    QuantizeFp8WeightKernel<T, true, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, w_q_t, n, k);
   } else {
-    QuantizeFp8WeightKernel<T, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, nullptr, n, k);
+    QuantizeFp8WeightKernel<T, false, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, nullptr, n, k);
   }
   return cudaGetLastError();
 }
@@ -513,6 +522,127 @@ __global__ void __launch_bounds__(kKmajorThreads) QuantizeKmajorKernel(const T* 
   if (warp == 0) *reinterpret_cast<float2*>(sf_t + block * c + c0) = scale;
 }
 
+// Tiled: one thread block per 128-row block of the layout and kCols columns. The 128 rows x kRowBytes are read in
+// 16-byte pieces (each warp reads whole row segments) into a shared tile whose 16-byte chunks are swizzled by row
+// (chunk ^ (row / 16) % 8); then 8 lanes share each 4-byte column word, lane s reading rows 16s .. 16s + 15 of it
+// (the swizzle puts the 8 row segments of a warp's 4 words on 32 distinct banks), reduce each column's amax with
+// three shuffles and store their 16 codes of the column as one 16-byte piece of a q_t row. Same rule, same order
+// of operations as QuantizeKmajorKernel.
+template <typename T>
+struct KmajorTile {
+  static constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
+  static constexpr int kRowBytes = kFp8 ? kGroup : 256;  // E4M3: one 1x128 scale group per tile row
+  static constexpr int kCols = kRowBytes / static_cast<int>(sizeof(T));
+  static constexpr int kPieces = kRowBytes / 16;              // 16-byte pieces per row
+  static constexpr int kRowsPerPass = kKmajorThreads / kPieces;
+  static constexpr int kPasses = kGroup / kRowsPerPass;
+  static constexpr int kWords = kRowBytes / 4;                // 4-byte column words per row
+  static constexpr int kItems = kWords * 8 / kKmajorThreads;  // (word, 16-row segment) pairs per thread
+  static constexpr int kColsPerWord = 4 / static_cast<int>(sizeof(T));
+};
+
+// Column j of the 4-byte word w of one row, as float32 (E4M3: decoded, times the row's 1x128 scale).
+template <typename T>
+__device__ __forceinline__ float WordColumn(uint32_t w, int j, float row_scale) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float(j == 0 ? w << 16 : w & 0xFFFF0000u);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(j == 0 ? w & 0xFFFFu : w >> 16)));
+  } else if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(w);
+  } else {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>((w >> (8 * j)) & 0xFFu), __NV_E4M3);
+    return __fmul_rn(__half2float(__half(h)), row_scale);  // the decode is exact, NaN stays NaN
+  }
+}
+
+// Grid (p/128, c/kCols).
+// E4M3 input holds four columns per word: 3 blocks per SM leave it the registers to keep them without spilling.
+template <typename T>
+__global__ void __launch_bounds__(kKmajorThreads, KmajorTile<T>::kFp8 ? 3 : 4)
+    QuantizeKmajorTiledKernel(const T* __restrict__ x, const float* __restrict__ x_sf,
+                              const int32_t* __restrict__ gather, int64_t x_rows, const int2* __restrict__ blocks,
+                              uint8_t* __restrict__ q_t, float* __restrict__ sf_t, int64_t c, int64_t p) {
+  using Tile = KmajorTile<T>;
+  __shared__ __align__(16) uint8_t tile[kGroup * Tile::kRowBytes];
+  __shared__ int64_t src_row[kGroup];
+  __shared__ float row_scale[Tile::kFp8 ? kGroup : 1];
+  const int64_t block = blockIdx.x;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * Tile::kCols;
+  const int2 range = blocks[block];  // first source row, rows
+
+  // src_row[r]: the row of x that sorted row range.x + r reads, or -1 for a zero row (padding, or a gather index
+  // outside x).
+  if (threadIdx.x < kGroup) {
+    const int r = threadIdx.x;
+    const int64_t sorted = static_cast<int64_t>(range.x) + r;
+    const int64_t s = r >= range.y ? -1 : gather == nullptr ? sorted : gather[sorted];
+    const int64_t valid = s >= 0 && s < x_rows ? s : -1;
+    src_row[r] = valid;
+    if constexpr (Tile::kFp8) row_scale[r] = valid >= 0 ? x_sf[valid * (c / kGroup) + col0 / kGroup] : 0.0f;
+  }
+  __syncthreads();
+
+  const int piece = threadIdx.x % Tile::kPieces;
+  uint4 raw[Tile::kPasses];
+#pragma unroll
+  for (int i = 0; i < Tile::kPasses; ++i) {
+    const int64_t s = src_row[threadIdx.x / Tile::kPieces + i * Tile::kRowsPerPass];
+    raw[i] = s >= 0 ? LoadStreaming(reinterpret_cast<const uint8_t*>(x + s * c + col0) + 16 * piece)
+                    : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < Tile::kPasses; ++i) {
+    const int r = threadIdx.x / Tile::kPieces + i * Tile::kRowsPerPass;
+    *reinterpret_cast<uint4*>(tile + r * Tile::kRowBytes + 16 * (piece ^ ((r / 16) % 8))) = raw[i];
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32, seg = lane / 4;
+#pragma unroll
+  for (int it = 0; it < Tile::kItems; ++it) {
+    const int item = threadIdx.x + it * kKmajorThreads;
+    const int word = lane % 4 + 4 * (item / 32);
+    uint32_t w[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = 16 * seg + i;
+      w[i] = *reinterpret_cast<const uint32_t*>(tile + r * Tile::kRowBytes + 16 * ((word / 4) ^ seg) + 4 * (word % 4));
+    }
+    const int64_t col = col0 + word * Tile::kColsPerWord;
+    float scale[Tile::kColsPerWord];
+#pragma unroll
+    for (int j = 0; j < Tile::kColsPerWord; ++j) {
+      float v[16];
+      float amax = 0.0f;
+      int finite = 1;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        v[i] = WordColumn<T>(w[i], j, Tile::kFp8 ? row_scale[16 * seg + i] : 0.0f);
+        amax = fmaxf(amax, fabsf(v[i]));
+        finite &= isfinite(v[i]) ? 1 : 0;
+      }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
+      }
+      __align__(16) uint8_t bytes[16];
+      scale[j] = EncodePiece<16>(v, amax, finite, bytes);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (16 * seg + i >= range.y) bytes[i] = 0;  // padding stays code 0, also in a NaN block
+      }
+      *reinterpret_cast<uint4*>(q_t + (col + j) * p + block * kGroup + 16 * seg) =
+          *reinterpret_cast<const uint4*>(bytes);
+    }
+    if (seg == 0) {
+#pragma unroll
+      for (int j = 0; j < Tile::kColsPerWord; ++j) sf_t[block * c + col + j] = scale[j];
+    }
+  }
+}
+
 // Calls fn with a value of the element type `type` names (its type picks the kernel instantiation).
 template <typename Fn>
 cudaError_t WithInputType(InputType type, Fn fn) {
@@ -537,21 +667,22 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
 }
 
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
-                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k) {
+                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k, bool staged) {
   if (batch == 0 || n == 0 || k == 0) return cudaSuccess;
   if ((k + kGroup - 1) / kGroup > 0x7FFFFFFF || (n + kGroup - 1) / kGroup > 65535 || batch > 65535 ||
       (w_q_t != nullptr && n % 16 != 0)) {
     return cudaErrorInvalidValue;
   }
   return WithInputType(type, [&](auto tag) {
-    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, w_q_t, batch, n, k);
+    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, w_q_t, batch, n, k, staged);
   });
 }
 
 cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, const void* x, const float* x_sf,
                                            const int32_t* rows, int64_t x_rows, const int32_t* group_sizes,
                                            int64_t num_groups, uint8_t* q_t, float* sf_t, int32_t* blocks, int64_t m,
-                                           int64_t c) {
+                                           int64_t c,
+                                           bool tiled) {
   const int64_t p = GroupedKmajorLength(m, num_groups);
   const int64_t num_blocks = p / kGroup;
   if (c % kGroup != 0 || c / kKmajorCols > 65535 || num_blocks > 0x7FFFFFFF || m > 0x7FFFFFFF) {
@@ -560,6 +691,17 @@ cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, 
   auto* table = reinterpret_cast<int2*>(blocks);
   KmajorBlocksKernel<<<1, kKmajorThreads, 0, stream>>>(group_sizes, num_groups, m, num_blocks, table);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (tiled) {
+    const auto launch = [&](auto tag, const float* scales) {
+      using T = decltype(tag);
+      const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / KmajorTile<T>::kCols));
+      QuantizeKmajorTiledKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), scales, rows,
+                                                                        x_rows, table, q_t, sf_t, c, p);
+      return cudaGetLastError();
+    };
+    if (x_sf != nullptr) return launch(uint8_t{}, x_sf);
+    return WithInputType(type, [&](auto tag) { return launch(tag, nullptr); });
+  }
   const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / kKmajorCols));
   if (x_sf != nullptr) {
     QuantizeKmajorKernel<uint8_t><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const uint8_t*>(x), x_sf, rows,

@@ -40,39 +40,6 @@ constexpr int kManyUnroll = 4;
 constexpr int64_t kMinBlocks = 4 * 132;
 constexpr int kMaxAmaxBlocks = 8 * 132;
 
-template <typename T>
-__device__ __forceinline__ void Unpack(const uint4& raw, float* v);
-
-template <>
-__device__ __forceinline__ void Unpack<__nv_bfloat16>(const uint4& raw, float* v) {
-  const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Unpack<__half>(const uint4& raw, float* v) {
-  const auto* p = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Unpack<float>(const uint4& raw, float* v) {
-  v[0] = __uint_as_float(raw.x);
-  v[1] = __uint_as_float(raw.y);
-  v[2] = __uint_as_float(raw.z);
-  v[3] = __uint_as_float(raw.w);
-}
-
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 __device__ __forceinline__ float ToFloat(float v) { return v; }
