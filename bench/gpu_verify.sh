@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# What a commit needs shown on one GPU, in parts that each fit a 10-minute command (from the repository root, with
+# the package's wheel in .whl/ and, for the test extra and the notebook, .whl/extra from bench/gpu_wheels.sh):
+#   bash bench/gpu_verify.sh tests   every GPU test file, and beside them (CPU, 8 simulated devices) the layer's
+#                                    test files on this machine's jax
+#   bash bench/gpu_verify.sh bench   bench quant (the quantizers, with the next kernels' rows), the notebook on the
+#                                    GPU, the layer at 128 tokens beside its Flax forms, the four wire formats at 4096
+#   bash bench/gpu_verify.sh fp8     the FP8 recipe at 4096 tokens beside the einsum baseline (--check, 2
+#                                    micro-batches) and bench gemm
+# Logs and results go to $OUT (a temporary folder without it). JAX_MOE_A2A_COMMIT names the commit in the results
+# where the copy has no git metadata.
+set -uo pipefail
+part=${1:-}
+export OUT=${OUT:-$(mktemp -d)} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+[ -d .whl/extra ] && export EXTRA_WHEELS=.whl/extra
+here=$(dirname "$0")
+case "$part" in
+  tests)
+    gpu_tests=$(ls tests/test_*_ffi.py | tr '\n' ' ')
+    gpu_tests+="tests/test_a2a_multiprocess.py tests/test_training.py tests/test_wire.py tests/test_quant_mx.py"
+    gpu_tests+=" tests/test_checkpoints.py tests/test_flax.py tests/test_moe.py"
+    TESTS="$gpu_tests" TEST_TIMEOUT=${TEST_TIMEOUT:-300} bash "$here/gpu_session.sh" &
+    gpu=$!
+    # The extension is extracted by gpu_session.sh; wait for it before the CPU run imports the package.
+    for _ in $(seq 60); do ls jax_moe_a2a/_jax_moe_a2a*.so > /dev/null 2>&1 && break; sleep 1; done
+    workers=$(python3 -c "import xdist" 2> /dev/null && echo "-n 6")
+    # shellcheck disable=SC2086
+    JAX_MOE_A2A_REQUIRE_EXTENSION=1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider $workers \
+      tests/test_demo.py tests/test_two_nodes.py tests/test_two_level.py tests/test_wire.py tests/test_training.py \
+      tests/test_set_mesh.py tests/test_moe.py > "$OUT/pytest_cpu_devices.log" 2>&1
+    cpu=$?
+    tail -n 5 "$OUT/pytest_cpu_devices.log"
+    wait $gpu
+    gpu=$?
+    [ "$cpu" -eq 0 ] && [ "$gpu" -eq 0 ]
+    ;;
+  bench)
+    TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash "$here/gpu_session.sh" \
+      "quant --m 4096 16384 --ops kmajor kmajor_fp8 weight weight_t mxfp8 mxfp8_dequant nvfp4 nvfp4_dequant" \
+      "notebook" \
+      "layer --tokens 128 --variants bf16 bf16_ws fp8_stored_ws nnx_call_ws nnx_jit_ws nnx_jit_apply_ws linen_jit_ws --modes fwd --no-stages" \
+      "layer --tokens 4096 --variants fp8_ws --wire-formats bf16 fp8_blockwise mxfp8 nvfp4 --modes fwd --check --no-stages"
+    ;;
+  fp8)
+    TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-300} bash "$here/gpu_session.sh" \
+      "layer --tokens 4096 --variants einsum fp8_ws fp8_dgrad_ws fp8_fp8bwd_ws --check --micro-batches 2" \
+      "gemm"
+    ;;
+  *)
+    echo "usage: bash bench/gpu_verify.sh tests|bench|fp8" >&2
+    exit 2
+    ;;
+esac
