@@ -1,8 +1,6 @@
 // device_io.cuh -- memory primitives shared by the kernels.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,40 +29,6 @@ __device__ __forceinline__ void WaitCopies() {
   asm volatile(
       "cp.async.commit_group;\n"
       "cp.async.wait_group 0;" ::: "memory");
-}
-
-// The float32 values of a 16-byte piece of T (bfloat16, float16 or float32) elements.
-template <typename T>
-__device__ __forceinline__ void Unpack(const uint4& raw, float* v);
-
-template <>
-__device__ __forceinline__ void Unpack<__nv_bfloat16>(const uint4& raw, float* v) {
-  const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Unpack<__half>(const uint4& raw, float* v) {
-  const auto* p = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(p[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Unpack<float>(const uint4& raw, float* v) {
-  v[0] = __uint_as_float(raw.x);
-  v[1] = __uint_as_float(raw.y);
-  v[2] = __uint_as_float(raw.z);
-  v[3] = __uint_as_float(raw.w);
 }
 
 }  // namespace jax_moe_a2a

@@ -32,6 +32,7 @@
 
 #include "device_io.cuh"
 #include "quant.h"
+#include "quant_device.cuh"
 #include "quant_kernels.cuh"
 
 namespace jax_moe_a2a {
@@ -133,16 +134,8 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8BlockwiseKernel(const T* 
     }
     float amax = 0.0f;
     int finite = 1;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      finite &= isfinite(v[i]) ? 1 : 0;
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-#pragma unroll
-    for (int o = kLanes / 2; o > 0; o >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
-    }
+    FoldAmax<kVec>(v, amax, finite);
+    ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
     if (f >= num_groups) continue;
     uint8_t bytes[kVec];
     const float scale = EncodePiece<kVec>(v, amax, finite, bytes);
@@ -256,17 +249,9 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   for (int p = 0; p < kPasses; ++p) {
     float v[kVec];
     Unpack<T>(piece(p), v);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      finite &= isfinite(v[i]) ? 1 : 0;
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
+    FoldAmax<kVec>(v, amax, finite);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
-  }
+  ReduceAmaxOverLanes<16>(amax, finite);
   __shared__ float warp_amax[kWarps];
   __shared__ int warp_finite[kWarps];
   if (threadIdx.x % 32 == 0) {
@@ -614,19 +599,12 @@ __global__ void __launch_bounds__(kKmajorThreads, KmajorTile<T>::kFp8 ? 3 : 4)
 #pragma unroll
     for (int j = 0; j < Tile::kColsPerWord; ++j) {
       float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = WordColumn<T>(w[i], j, Tile::kFp8 ? row_scale[16 * seg + i] : 0.0f);
       float amax = 0.0f;
       int finite = 1;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        v[i] = WordColumn<T>(w[i], j, Tile::kFp8 ? row_scale[16 * seg + i] : 0.0f);
-        amax = fmaxf(amax, fabsf(v[i]));
-        finite &= isfinite(v[i]) ? 1 : 0;
-      }
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
-      }
+      FoldAmax<16>(v, amax, finite);
+      ReduceAmaxOverLanes<16, 4>(amax, finite);  // the 8 lanes of a column word: lane bits 2..4
       __align__(16) uint8_t bytes[16];
       scale[j] = EncodePiece<16>(v, amax, finite, bytes);
 #pragma unroll

@@ -28,6 +28,7 @@
 
 #include "device_io.cuh"
 #include "quant.h"
+#include "quant_device.cuh"
 #include "quant_mx.h"
 #include "quant_mx_kernels.cuh"
 
@@ -165,16 +166,8 @@ __global__ void __launch_bounds__(kThreads) QuantizeMxfp8Kernel(const T* __restr
     Unpack<T>(raw[u], v);
     float amax = 0.0f;
     int finite = 1;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      finite &= isfinite(v[i]) ? 1 : 0;
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-#pragma unroll
-    for (int o = kLanes / 2; o > 0; o >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
-    }
+    FoldAmax<kVec>(v, amax, finite);
+    ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
     if (f >= num_blocks) continue;
     uint8_t bytes[kVec];
     const uint32_t scale = EncodeMxPiece<kVec>(v, amax, finite, bytes);
@@ -351,16 +344,8 @@ __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restr
     Unpack<T>(raw[u], v);
     float amax = 0.0f;
     int finite = 1;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      finite &= isfinite(v[i]) ? 1 : 0;
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-#pragma unroll
-    for (int o = kLanes / 2; o > 0; o >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
-    }
+    FoldAmax<kVec>(v, amax, finite);
+    ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
     if (f >= num_blocks) continue;
     uint8_t packed[kVec / 2];
     uint32_t scale = kE4m3NaN;
