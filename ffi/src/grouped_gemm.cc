@@ -212,16 +212,41 @@ ffi::Error GroupedGemmFp8CpuImpl(ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_sf, f
 // ---------------------------------------------------------------------------------------------------------------
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
+// Runs launch(sm_count) -> error text ("" on success) with `device` current, as op's error.
+template <typename Launch>
+ffi::Error LaunchOnDevice(const char* op, int32_t device, Launch launch) {
+  ScopedDevice on(device);
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
+  int sm_count = 0;
+  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  const std::string error = launch(sm_count);
+  if (!error.empty()) return ffi::Error::Internal(std::string(op) + ": " + error);
+  return ffi::Error::Success();
+}
+
+// The largest need(sm_count) over the visible GPUs; 0 without one.
+template <typename Need>
+size_t MostOverDevices(Need need) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  size_t bytes = 0;
+  for (int dev = 0; dev < count; ++dev) {
+    int sm_count = 0;
+    if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) continue;
+    bytes = std::max(bytes, need(sm_count));
+  }
+  return bytes;
+}
+
 ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_sf,
                                   ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_sf, ffi::Buffer<ffi::S32> group_sizes,
                                   ffi::Result<ffi::Buffer<ffi::BF16>> d, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
                                   bool masked) {
   GemmShape s;
   if (auto err = CheckGroupedGemm(a, a_sf, b, b_sf, group_sizes, d, masked, &s); err.failure()) return err;
-  ScopedDevice on(device);
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
-  int sm_count = 0;
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   GroupedGemmFp8Args args;
   args.a = static_cast<const uint8_t*>(a.untyped_data());
   args.a_sf = a_sf.typed_data();
@@ -236,9 +261,7 @@ ffi::Error GroupedGemmFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
   args.masked = masked;
   args.scratch = scratch->untyped_data();
   args.scratch_bytes = static_cast<size_t>(scratch->element_count());
-  const std::string error = LaunchGroupedGemmFp8(stream, sm_count, args);
-  if (!error.empty()) return ffi::Error::Internal(std::string(kOp) + ": " + error);
-  return ffi::Error::Success();
+  return LaunchOnDevice(kOp, device, [&](int sm_count) { return LaunchGroupedGemmFp8(stream, sm_count, args); });
 }
 #endif
 
@@ -358,10 +381,6 @@ ffi::Error GroupedGemmFp8WgradCudaImpl(cudaStream_t stream, int32_t device, ffi:
                                        ffi::Result<ffi::Buffer<ffi::U8>> scratch) {
   WgradShape s;
   if (auto err = CheckWgrad(a_t, a_sf_t, b_t, b_sf_t, group_sizes, d, &s); err.failure()) return err;
-  ScopedDevice on(device);
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
-  int sm_count = 0;
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   GroupedGemmFp8WgradArgs args;
   args.a_t = static_cast<const uint8_t*>(a_t.untyped_data());
   args.a_sf_t = a_sf_t.typed_data();
@@ -376,9 +395,7 @@ ffi::Error GroupedGemmFp8WgradCudaImpl(cudaStream_t stream, int32_t device, ffi:
   args.p = s.p;
   args.scratch = scratch->untyped_data();
   args.scratch_bytes = static_cast<size_t>(scratch->element_count());
-  const std::string error = LaunchGroupedGemmFp8Wgrad(stream, sm_count, args);
-  if (!error.empty()) return ffi::Error::Internal(std::string(kOpWgrad) + ": " + error);
-  return ffi::Error::Success();
+  return LaunchOnDevice(kOpWgrad, device, [&](int sm_count) { return LaunchGroupedGemmFp8Wgrad(stream, sm_count, args); });
 }
 #endif
 
@@ -553,10 +570,6 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
                                    ffi::Result<ffi::Buffer<ffi::U8>> scratch, int32_t mode) {
   Bf16Shape s;
   if (auto err = CheckGroupedGemmBf16(a, b, group_sizes, d, mode, &s); err.failure()) return err;
-  ScopedDevice on(device);
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
-  int sm_count = 0;
-  JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   GroupedGemmBf16Args args;
   args.mode = static_cast<Bf16GemmMode>(mode);
   args.a = a.untyped_data();
@@ -570,9 +583,7 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
   args.k = s.k;
   args.scratch = scratch->untyped_data();
   args.scratch_bytes = static_cast<size_t>(scratch->element_count());
-  const std::string error = LaunchGroupedGemmBf16(stream, sm_count, args);
-  if (!error.empty()) return ffi::Error::Internal(std::string(kOpBf16) + ": " + error);
-  return ffi::Error::Success();
+  return LaunchOnDevice(kOpBf16, device, [&](int sm_count) { return LaunchGroupedGemmBf16(stream, sm_count, args); });
 }
 #endif
 
@@ -582,21 +593,11 @@ ffi::Error GroupedGemmBf16CudaImpl(cudaStream_t stream, int32_t device, ffi::Any
 // FP8 op; else the bf16 op in that mode (mode 2 with a float32 d when `f32_out`).
 size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_out) {
 #ifdef JAX_MOE_A2A_WITH_CUDA
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  size_t bytes = 0;
-  for (int dev = 0; dev < count; ++dev) {
-    int sm_count = 0;
-    if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) continue;
-    const size_t need = bf16_mode < 0 ? GroupedGemmFp8ScratchBytes(num_groups, sm_count)
-                                      : GroupedGemmBf16ScratchBytes(static_cast<Bf16GemmMode>(bf16_mode), !f32_out,
-                                                                    num_groups, sm_count);
-    bytes = need > bytes ? need : bytes;
-  }
-  return bytes;
+  return MostOverDevices([&](int sm_count) {
+    return bf16_mode < 0 ? GroupedGemmFp8ScratchBytes(num_groups, sm_count)
+                         : GroupedGemmBf16ScratchBytes(static_cast<Bf16GemmMode>(bf16_mode), !f32_out, num_groups,
+                                                       sm_count);
+  });
 #else
   (void)num_groups;
   (void)bf16_mode;
@@ -608,18 +609,7 @@ size_t GroupedGemmScratchBytes(int64_t num_groups, int32_t bf16_mode, bool f32_o
 // Scratch bytes of the CUDA grouped_gemm_fp8_wgrad handler for `num_groups` groups on any visible GPU; 0 without one.
 size_t GroupedGemmFp8WgradScratchBytes(int64_t num_groups) {
 #ifdef JAX_MOE_A2A_WITH_CUDA
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  size_t bytes = 0;
-  for (int dev = 0; dev < count; ++dev) {
-    int sm_count = 0;
-    if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) continue;
-    bytes = std::max(bytes, GroupedGemmFp8WgradScratchBytesFor(num_groups, sm_count));
-  }
-  return bytes;
+  return MostOverDevices([&](int sm_count) { return GroupedGemmFp8WgradScratchBytesFor(num_groups, sm_count); });
 #else
   (void)num_groups;
   return 0;
