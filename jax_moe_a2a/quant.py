@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from typing import Any, Optional
 
 import jax
@@ -51,15 +52,22 @@ from jax_moe_a2a.quant_mx import (dequantize_mxfp8, dequantize_mxfp8_reference, 
 
 # Two quantizers have a second GPU kernel giving the same bits, kept beside the one in use until a GPU run has
 # measured it (docs/PERFORMANCE.md, "Quantizer kernels waiting for a GPU run"): the 128x128 weight quantizer
-# staging its tile in shared memory, and the K-major one transposing through a shared tile. Read at trace time.
-_next_gpu_kernels = False
+# staging its tile in shared memory, and the K-major one transposing through a shared tile. Read at trace time;
+# JAX_MOE_A2A_NEXT_GPU_KERNELS=1 makes them the process's default (a whole `bench layer` run: its results then
+# record next_gpu_kernels).
+NEXT_GPU_KERNELS_ENV = "JAX_MOE_A2A_NEXT_GPU_KERNELS"
+_next_gpu_kernels = os.environ.get(NEXT_GPU_KERNELS_ENV) == "1"
 
 
 @contextlib.contextmanager
 def next_gpu_kernels():
   """Custom calls of `quantize_fp8_weight[_with_transpose]` and `quantize_fp8_grouped_kmajor` traced inside the
   block select their next GPU kernels (the same bits; the CPU handlers have one kernel). For `bench quant`'s
-  ``*_next`` rows and the GPU tests that hold both kernels to the reference."""
+  ``ffi_next`` rows and the GPU tests that hold both kernels to the reference.
+
+  Only functions traced anew inside the block see it: what JAX has traced before (a `jax.jit` called already, a
+  `custom_vjp` of the same arguments) may be taken from its caches as it was. For a whole layer, set
+  ``JAX_MOE_A2A_NEXT_GPU_KERNELS=1`` for the process instead."""
   global _next_gpu_kernels
   previous, _next_gpu_kernels = _next_gpu_kernels, True
   try:

@@ -272,6 +272,17 @@ def test_a_result_of_a_dirty_checkout_is_labelled_uncommitted(tmp_path, monkeypa
   assert os.path.basename(common.write_result("x", {}, str(tmp_path))).startswith("x_")
 
 
+@pytest.mark.parametrize("env,recorded", [(None, False), ("1", True)])
+def test_a_result_records_the_next_gpu_kernels(tmp_path, monkeypatch, env, recorded):
+  common = _import_bench("common")
+  if env is None:
+    monkeypatch.delenv("JAX_MOE_A2A_NEXT_GPU_KERNELS", raising=False)
+  else:
+    monkeypatch.setenv("JAX_MOE_A2A_NEXT_GPU_KERNELS", env)
+  rec = json.loads(open(common.write_result("x", {"rows": []}, str(tmp_path)), encoding="utf-8").read())
+  assert rec.get("next_gpu_kernels", False) == recorded
+
+
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_quant_times_every_op_on_every_implementation(tmp_path):
   bench_quant = _import_bench("bench_quant")
