@@ -22,9 +22,6 @@ Bytes moved = what the op reads + what it writes, at the sizes of its arrays (bf
 
 The copy ceiling of an H200 is about 4.3 TB/s (read + write).
 
-kmajor, kmajor_fp8, weight and weight_t also time impl "ffi_next": the same custom call with the GPU kernel that
-`quant.next_gpu_kernels` selects (the same bits, a second design kept until measured).
-
   python bench/bench_quant.py [--m 16384] [--k 7168] [--ops mxfp8 nvfp4 ...] [--out DIR]
 """
 
@@ -44,7 +41,6 @@ from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
 OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4",
        "nvfp4_amax", "nvfp4_dequant")
-NEXT_KERNEL_OPS = ("kmajor", "kmajor_fp8", "weight", "weight_t")
 _LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
            "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16",
            "weight": "weight", "weight_t": "weight+T"}
@@ -117,17 +113,8 @@ def main(argv=None) -> int:
       op_sets = [tuple(prepare(x) for x in xs) for xs in sets]
       flat = [tuple(a for operands in xs for a in operands) for xs in op_sets]
       arity = len(op_sets[0][0])
-
-      def calls(*a, impl):
-        return [fn(*a[i:i + arity], impl=impl) for i in range(0, len(a), arity)]
-
-      def next_calls(*a):
-        with quant.next_gpu_kernels():  # entered while jit traces
-          return calls(*a, impl="ffi")
-
-      fns = {impl: jax.jit(lambda *a, impl=impl: calls(*a, impl=impl)) for impl in ("ffi", "reference")}
-      if name in NEXT_KERNEL_OPS:
-        fns["ffi_next"] = jax.jit(next_calls)
+      fns = {impl: jax.jit(lambda *a, impl=impl: [fn(*a[i:i + arity], impl=impl) for i in range(0, len(a), arity)])
+             for impl in ("ffi", "reference")}
       for repeat in range(args.repeats):
         for impl, f in fns.items():
           t = time_per_call(f, flat, calls_per_run=args.calls, runs=args.runs, warmup=10)

@@ -142,8 +142,6 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None)
     record.setdefault("uncommitted", "the checkout had uncommitted changes to tracked files")
   if os.environ.get("XLA_FLAGS"):  # they change what XLA compiles (e.g. autotuning), so they are part of the command
     record["xla_flags"] = os.environ["XLA_FLAGS"]
-  if os.environ.get("JAX_MOE_A2A_NEXT_GPU_KERNELS") == "1":  # quant.next_gpu_kernels for the whole process
-    record["next_gpu_kernels"] = True
   path = os.path.join(out_dir, f"{name}_{now.strftime('%Y%m%d-%H%M%S')}.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=1)

@@ -3,11 +3,10 @@
 # the package's wheel in .whl/ and, for the test extra and the notebook, .whl/extra from bench/gpu_wheels.sh):
 #   bash bench/gpu_verify.sh tests   every GPU test file, and beside them (CPU, 8 simulated devices) the layer's
 #                                    test files on this machine's jax
-#   bash bench/gpu_verify.sh bench   bench quant (the quantizers, with the next kernels' rows), the notebook on the
+#   bash bench/gpu_verify.sh bench   bench quant (the quantizers beside their references), the notebook on the
 #                                    GPU, the layer at 128 tokens beside its Flax forms, the four wire formats at 4096
 #   bash bench/gpu_verify.sh fp8     the FP8 recipe at 4096 tokens beside the einsum baseline (--check, 2
-#                                    micro-batches), then its FP8 variants again on the next quantizer kernels
-#                                    (JAX_MOE_A2A_NEXT_GPU_KERNELS=1)
+#                                    micro-batches)
 #   bash bench/gpu_verify.sh gemm    bench gemm
 # Logs and results go to $OUT (a temporary folder without it). JAX_MOE_A2A_COMMIT names the commit in the results
 # where the copy has no git metadata.
@@ -46,11 +45,6 @@ case "$part" in
   fp8)
     TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-300} bash "$here/gpu_session.sh" \
       "layer --tokens 4096 --variants einsum fp8_ws fp8_dgrad_ws fp8_fp8bwd_ws --check --micro-batches 2"
-    first=$?
-    JAX_MOE_A2A_NEXT_GPU_KERNELS=1 TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bash "$here/gpu_session.sh" \
-      "layer --tokens 4096 --variants fp8_ws fp8_fp8bwd_ws --micro-batches 2 --no-stages"
-    second=$?
-    [ "$first" -eq 0 ] && [ "$second" -eq 0 ]
     ;;
   gemm)
     TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} bash "$here/gpu_session.sh" "gemm"

@@ -30,10 +30,8 @@ share (constants, checks, correctly rounded division, power-of-two scales) is `j
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 from typing import Any, Optional
 
 import jax
@@ -49,31 +47,6 @@ from jax_moe_a2a.quant_base import (FLOAT_INPUTS, FLOAT_INPUTS_TEXT, FP8_AMAX_FL
 from jax_moe_a2a.quant_mx import (dequantize_mxfp8, dequantize_mxfp8_reference, dequantize_nvfp4,
                                   dequantize_nvfp4_reference, nvfp4_global_scale, nvfp4_global_scale_reference,
                                   quantize_mxfp8, quantize_mxfp8_reference, quantize_nvfp4, quantize_nvfp4_reference)
-
-# Two quantizers have a second GPU kernel giving the same bits, kept beside the one in use until a GPU run has
-# measured it (docs/PERFORMANCE.md, "Quantizer kernels waiting for a GPU run"): the 128x128 weight quantizer
-# staging its tile in shared memory, and the K-major one transposing through a shared tile. Read at trace time;
-# JAX_MOE_A2A_NEXT_GPU_KERNELS=1 makes them the process's default (a whole `bench layer` run: its results then
-# record next_gpu_kernels).
-NEXT_GPU_KERNELS_ENV = "JAX_MOE_A2A_NEXT_GPU_KERNELS"
-_next_gpu_kernels = os.environ.get(NEXT_GPU_KERNELS_ENV) == "1"
-
-
-@contextlib.contextmanager
-def next_gpu_kernels():
-  """Custom calls of `quantize_fp8_weight[_with_transpose]` and `quantize_fp8_grouped_kmajor` traced inside the
-  block select their next GPU kernels (the same bits; the CPU handlers have one kernel). For `bench quant`'s
-  ``ffi_next`` rows and the GPU tests that hold both kernels to the reference.
-
-  Only functions traced anew inside the block see it: what JAX has traced before (a `jax.jit` called already, a
-  `custom_vjp` of the same arguments) may be taken from its caches as it was. For a whole layer, set
-  ``JAX_MOE_A2A_NEXT_GPU_KERNELS=1`` for the process instead."""
-  global _next_gpu_kernels
-  previous, _next_gpu_kernels = _next_gpu_kernels, True
-  try:
-    yield
-  finally:
-    _next_gpu_kernels = previous
 
 
 def _fp8_block_quantize(g: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -389,8 +362,7 @@ def _ffi_quantize_fp8_grouped_kmajor(x, group_sizes, x_sf, rows):
          jax.ShapeDtypeStruct((p // FP8_BLOCK, 2), jnp.int32))  # per 128 columns: first source row, rows
   sf_in = jnp.zeros((0,), jnp.float32) if x_sf is None else x_sf
   rows_in = jnp.zeros((0,), jnp.int32) if rows is None else rows
-  q, sf, _ = _ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, sf_in, rows_in, group_sizes,
-                            tiled=_next_gpu_kernels)
+  q, sf, _ = _ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, sf_in, rows_in, group_sizes)
   return q, sf
 
 
@@ -516,7 +488,7 @@ def _ffi_quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   *batch, n, k = w.shape
   out = (jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32))
-  return _ffi.ffi_call("quantize_fp8_weight", out, w, staged=_next_gpu_kernels)
+  return _ffi.ffi_call("quantize_fp8_weight", out, w)
 
 
 def quantize_fp8_weight(w: jax.Array, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -602,7 +574,7 @@ def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
       out = (jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn),
              jax.ShapeDtypeStruct((*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32),
              jax.ShapeDtypeStruct((*batch, k, n), jnp.float8_e4m3fn))
-      w_q, w_sf, w_q_t = _ffi.ffi_call("quantize_fp8_weight_with_transpose", out, w, staged=_next_gpu_kernels)
+      w_q, w_sf, w_q_t = _ffi.ffi_call("quantize_fp8_weight_with_transpose", out, w)
       return w_q, w_sf, w_q_t, jnp.swapaxes(w_sf, -1, -2)
     if impl == "ffi":
       raise ValueError(f"{op}: impl='ffi' on GPUs needs K a multiple of 16 bytes of w, N a multiple of 16, "

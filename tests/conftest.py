@@ -1,6 +1,5 @@
 """Test set-up: eight simulated CPU devices, unless a GPU run asks for real devices."""
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -39,15 +38,6 @@ def devices(n: int) -> list:
   if len(have) < n:
     pytest.skip(f"needs {n} devices, {len(have)} visible")
   return have[:n]
-
-
-def quantizer_kernels():
-  """Contexts to run a quantizer check under: the GPU kernels in use and, on a GPU, the next ones
-  (`quant.next_gpu_kernels`), both held to the same reference bits. On CPU one handler serves both."""
-  from jax_moe_a2a import quant  # pylint: disable=import-outside-toplevel
-  yield contextlib.nullcontext()
-  if jax.default_backend() == "gpu":
-    yield quant.next_gpu_kernels()
 
 
 def skip_without_one_sided_backward() -> None:

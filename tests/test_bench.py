@@ -272,25 +272,12 @@ def test_a_result_of_a_dirty_checkout_is_labelled_uncommitted(tmp_path, monkeypa
   assert os.path.basename(common.write_result("x", {}, str(tmp_path))).startswith("x_")
 
 
-@pytest.mark.parametrize("env,recorded", [(None, False), ("1", True)])
-def test_a_result_records_the_next_gpu_kernels(tmp_path, monkeypatch, env, recorded):
-  common = _import_bench("common")
-  if env is None:
-    monkeypatch.delenv("JAX_MOE_A2A_NEXT_GPU_KERNELS", raising=False)
-  else:
-    monkeypatch.setenv("JAX_MOE_A2A_NEXT_GPU_KERNELS", env)
-  rec = json.loads(open(common.write_result("x", {"rows": []}, str(tmp_path)), encoding="utf-8").read())
-  assert rec.get("next_gpu_kernels", False) == recorded
-
-
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
-def test_bench_quant_times_every_op_on_every_implementation(tmp_path):
+def test_bench_quant_times_every_op_on_both_implementations(tmp_path):
   bench_quant = _import_bench("bench_quant")
   assert bench_quant.main(["--m", "256", "--k", "256", "--groups", "4", "--calls", "2", "--runs", "2", "--repeats", "1",
                            "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rows = json.loads(path.read_text())["rows"]
-  want = {(op, impl) for op in bench_quant.OPS for impl in ("ffi", "reference")}
-  want |= {(op, "ffi_next") for op in bench_quant.NEXT_KERNEL_OPS}
-  assert {(r["op"], r["impl"]) for r in rows} == want
+  assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in bench_quant.OPS for impl in ("ffi", "reference")}
   assert all(r["gb_per_s"] > 0 and r["bytes"] > 256 * 256 for r in rows)

@@ -1,9 +1,5 @@
 """Quantization formats: bit-exact NumPy references, error bounds, layouts, non-finite groups and errors."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -668,22 +664,3 @@ def test_dispatch_errors():
     quant.quantize(_abstract((2, 128)), "fp4")
   with pytest.raises(ValueError, match=r"dequantize: global_scale must be given for nvfp4, got None"):
     quant.dequantize(_abstract((2, 8), jnp.uint8), _abstract((2, 1), jnp.float8_e4m3fn), "nvfp4")
-
-
-@pytest.mark.parametrize("env,want", [(None, False), ("0", False), ("1", True)])
-def test_next_gpu_kernels_default_comes_from_the_environment(env, want):
-  environ = {k: v for k, v in os.environ.items() if k != quant.NEXT_GPU_KERNELS_ENV}
-  if env is not None:
-    environ[quant.NEXT_GPU_KERNELS_ENV] = env
-  out = subprocess.run([sys.executable, "-c", "from jax_moe_a2a import quant; print(quant._next_gpu_kernels)"],
-                       env=environ, capture_output=True, text=True, check=True).stdout.split()
-  assert out[-1] == str(want)
-
-
-def test_next_gpu_kernels_context_restores_the_setting():
-  before = quant._next_gpu_kernels  # pylint: disable=protected-access
-  with pytest.raises(RuntimeError):
-    with quant.next_gpu_kernels():
-      assert quant._next_gpu_kernels  # pylint: disable=protected-access
-      raise RuntimeError
-  assert quant._next_gpu_kernels == before  # pylint: disable=protected-access

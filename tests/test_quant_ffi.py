@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from jax_moe_a2a import _ffi, quant
-from conftest import quantizer_kernels
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 
@@ -212,14 +211,8 @@ def _weights(rng, shape, dtype):
 
 
 def _assert_same_weight(w):
-  q_ref, sf_ref = jax.jit(lambda w: quant.quantize_fp8_weight(w, impl="reference"))(w)
-  for kernels in quantizer_kernels():
-    with kernels:
-      _assert_weight_kernels_same(w, q_ref, sf_ref)
-
-
-def _assert_weight_kernels_same(w, q_ref, sf_ref):
   q_ffi, sf_ffi = jax.jit(lambda w: quant.quantize_fp8_weight(w, impl="ffi"))(w)
+  q_ref, sf_ref = jax.jit(lambda w: quant.quantize_fp8_weight(w, impl="reference"))(w)
   assert q_ffi.dtype == jnp.float8_e4m3fn and q_ffi.shape == q_ref.shape and sf_ffi.shape == sf_ref.shape
   np.testing.assert_array_equal(_bits(q_ffi), _bits(q_ref))
   np.testing.assert_array_equal(_bits(sf_ffi), _bits(sf_ref))
@@ -255,20 +248,12 @@ def test_weight_ffi_non_finite_and_top_scale_blocks():
   assert np.isfinite(back[1, :128, 128:]).all()
 
 
-def test_next_kernel_attribute_reaches_the_cpu_handler():
-  """`quant.next_gpu_kernels` sets the weight custom calls' `staged` attribute, which the CPU handler ignores."""
-  w = _weights(np.random.default_rng(9), (2, 256, 384), jnp.bfloat16)
-  q_ref, sf_ref = jax.jit(lambda w: quant.quantize_fp8_weight(w, impl="reference"))(w)
-  with quant.next_gpu_kernels():
-    _assert_weight_kernels_same(w, q_ref, sf_ref)
-
-
 def test_weight_cpp_handler_checks_shapes_when_reached():
   w = jnp.zeros((2, 256, 384), jnp.bfloat16)
   bad = (jax.ShapeDtypeStruct((2, 256, 384), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2, 2, 2), jnp.float32))
   with pytest.raises(Exception, match=r"w_sf must be \[\.\.\., ceil\(N/128\), ceil\(K/128\)\] = \[\.\.\., 2, 3\], "
                                       r"got \[2, 2, 2\]"):
-    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_weight", bad, w, staged=False))
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_weight", bad, w))
 
 
 def test_weight_with_transpose_cpp_handler_checks_shapes_when_reached():
@@ -276,7 +261,7 @@ def test_weight_with_transpose_cpp_handler_checks_shapes_when_reached():
   bad = (jax.ShapeDtypeStruct((2, 256, 384), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2, 2, 3), jnp.float32),
          jax.ShapeDtypeStruct((2, 256, 384), jnp.float8_e4m3fn))
   with pytest.raises(Exception, match=r"w_q_t must be \[\.\.\., K, N\] = \[2, 384, 256\], got \[2, 256, 384\]"):
-    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_weight_with_transpose", bad, w, staged=False))
+    jax.block_until_ready(_ffi.ffi_call("quantize_fp8_weight_with_transpose", bad, w))
 
 
 def test_weight_with_transpose_refuses_what_quantize_fp8_weight_refuses():

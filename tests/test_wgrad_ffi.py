@@ -14,7 +14,6 @@ import pytest
 
 from jax_moe_a2a import _ffi, grouped_gemm, quant
 from jax_moe_a2a.testing import calc_diff, max_rel
-from conftest import quantizer_kernels
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 
@@ -52,13 +51,11 @@ def _quantize(x, sizes, impl, x_sf=None):
 
 
 def _assert_quantize_same(x, sizes, x_sf=None):
+  got = _quantize(x, sizes, "ffi", x_sf)
   want = _quantize(x, sizes, "reference", x_sf)
-  for kernels in quantizer_kernels():
-    with kernels:
-      got = _quantize(x, sizes, "ffi", x_sf)
-    for g, w in zip(got, want):
-      assert g.dtype == w.dtype and g.shape == w.shape
-      np.testing.assert_array_equal(_bits(g), _bits(w))
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 @pytest.mark.parametrize("m,sizes", SIZE_CASES)
@@ -90,13 +87,10 @@ def test_quantize_gather_ffi_equals_reference(dtype):
       x, x_sf = quant.quantize_fp8_blockwise(x, impl="reference")
     fn = lambda impl: jax.jit(lambda x, sf, rows, s: quant.quantize_fp8_grouped_kmajor(x, s, x_sf=sf, rows=rows,
                                                                                          impl=impl))
-    want = fn("reference")(x, x_sf, rows, s)
-    for kernels in quantizer_kernels():
-      with kernels:
-        got = fn("ffi")(x, x_sf, rows, s)
-      for g, w in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape
-        np.testing.assert_array_equal(_bits(g), _bits(w))
+    got, want = fn("ffi")(x, x_sf, rows, s), fn("reference")(x, x_sf, rows, s)
+    for g, w in zip(got, want):
+      assert g.dtype == w.dtype and g.shape == w.shape
+      np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
 def _gemm(ops, sizes, impl, out_dtype=jnp.float32):
@@ -149,18 +143,6 @@ def test_wgrad_ffi_non_finite_stays_in_its_group():
   assert np.isnan(got[1, 3]).all() and np.isfinite(np.delete(got[1], 3, axis=0)).all()
 
 
-def test_next_kernel_attribute_reaches_the_cpu_handler():
-  """`quant.next_gpu_kernels` sets the custom call's `tiled` attribute, which the CPU handler takes and ignores."""
-  x, s = _rows(np.random.default_rng(3), 200, 256, jnp.bfloat16), jnp.asarray([130, 70], jnp.int32)
-  want = _quantize(x, s, "reference")
-  with quant.next_gpu_kernels():
-    assert quant._next_gpu_kernels  # pylint: disable=protected-access
-    got = _quantize(x, s, "ffi")
-  assert not quant._next_gpu_kernels  # pylint: disable=protected-access
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(_bits(g), _bits(w))
-
-
 def test_cpp_handlers_check_shapes_when_reached():
   # Shapes the Python checks would refuse, sent to the handlers directly.
   x = jnp.zeros((4, 128), jnp.float32)
@@ -169,20 +151,19 @@ def test_cpp_handlers_check_shapes_when_reached():
          jax.ShapeDtypeStruct((3, 2), jnp.int32))
   with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: q_t must be \[C, P\] = \[128, 256\]"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, jnp.zeros((0,), jnp.float32),
-                                        no_rows, jnp.asarray([4], jnp.int32), tiled=False))
+                                        no_rows, jnp.asarray([4], jnp.int32)))
   with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: x_sf must be \[0\]"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, jnp.zeros((4, 1), jnp.float32),
-                                        no_rows, jnp.asarray([1, 3], jnp.int32), tiled=False))
+                                        no_rows, jnp.asarray([1, 3], jnp.int32)))
   with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: rows must be \[M\] with M < 2\^31, or \[0\], "
                                       r"got \[2, 2\]"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", out, x, jnp.zeros((0,), jnp.float32),
-                                        jnp.zeros((2, 2), jnp.int32), jnp.asarray([4], jnp.int32), tiled=False))
+                                        jnp.zeros((2, 2), jnp.int32), jnp.asarray([4], jnp.int32)))
   gathered = (jax.ShapeDtypeStruct((128, 384), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((3, 128), jnp.float32),
               jax.ShapeDtypeStruct((3, 2), jnp.int32))  # 200 gathered rows in 2 groups: P = 256 + 256
   with pytest.raises(Exception, match=r"quantize_fp8_grouped_kmajor: q_t must be \[C, P\] = \[128, 512\]"):
     jax.block_until_ready(_ffi.ffi_call("quantize_fp8_grouped_kmajor", gathered, x, jnp.zeros((0,), jnp.float32),
-                                        jnp.zeros((200,), jnp.int32), jnp.asarray([100, 100], jnp.int32),
-                                        tiled=False))
+                                        jnp.zeros((200,), jnp.int32), jnp.asarray([100, 100], jnp.int32)))
   a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
   out = (jax.ShapeDtypeStruct((1, 128, 128), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8))
   with pytest.raises(Exception, match=r"grouped_gemm_fp8_wgrad: b_t must be \[Nb, P\] with P = 256"):

@@ -355,15 +355,14 @@ ffi::Error QuantizeWeightCpu(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// `staged` and `tiled` pick between GPU kernels of the same bits; the CPU handlers have one way.
 ffi::Error QuantizeFp8WeightCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> w_q,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> w_sf, bool /*staged*/) {
+                                    ffi::Result<ffi::Buffer<ffi::F32>> w_sf) {
   return QuantizeWeightCpu(w, w_q, w_sf, nullptr);
 }
 
 ffi::Error QuantizeFp8WeightWithTransposeCpuImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> w_q,
                                                  ffi::Result<ffi::Buffer<ffi::F32>> w_sf,
-                                                 ffi::Result<ffi::AnyBuffer> w_q_t, bool /*staged*/) {
+                                                 ffi::Result<ffi::AnyBuffer> w_q_t) {
   return QuantizeWeightCpu(w, w_q, w_sf, &*w_q_t);
 }
 
@@ -412,7 +411,7 @@ void QuantizeKmajorBlocks(Load load_x, const KmajorShape& s, const int32_t* gath
 ffi::Error QuantizeFp8GroupedKmajorCpuImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> rows,
                                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
                                            ffi::Result<ffi::Buffer<ffi::F32>> sf_t,
-                                           ffi::Result<ffi::Buffer<ffi::S32>> blocks, bool /*tiled*/) {
+                                           ffi::Result<ffi::Buffer<ffi::S32>> blocks) {
   KmajorShape s;
   if (auto err = CheckQuantizeKmajor(x, x_sf, rows, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
   const int32_t* gather = s.gather ? rows.typed_data() : nullptr;
@@ -474,7 +473,7 @@ ffi::Error QuantizeFp8BlockwiseCudaImpl(cudaStream_t stream, int32_t device, ffi
 
 ffi::Error QuantizeWeightCuda(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& w,
                               ffi::Result<ffi::AnyBuffer>& w_q, ffi::Result<ffi::Buffer<ffi::F32>>& w_sf,
-                              ffi::AnyBuffer* w_q_t, bool staged) {
+                              ffi::AnyBuffer* w_q_t) {
   WeightShape s;
   if (auto err = CheckQuantizeWeight(w, w_q, w_sf, w_q_t, &s); err.failure()) return err;
   const char* op = w_q_t == nullptr ? kWeightOp : kWeightTOp;
@@ -492,28 +491,26 @@ ffi::Error QuantizeWeightCuda(cudaStream_t stream, int32_t device, const ffi::An
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(on.error());
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8Weight(
       stream, type, w.untyped_data(), reinterpret_cast<uint8_t*>(w_q->untyped_data()), w_sf->typed_data(),
-      w_q_t == nullptr ? nullptr : reinterpret_cast<uint8_t*>(w_q_t->untyped_data()), s.batch, s.n, s.k, staged));
+      w_q_t == nullptr ? nullptr : reinterpret_cast<uint8_t*>(w_q_t->untyped_data()), s.batch, s.n, s.k));
   return ffi::Error::Success();
 }
 
 ffi::Error QuantizeFp8WeightCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer w,
-                                     ffi::Result<ffi::AnyBuffer> w_q, ffi::Result<ffi::Buffer<ffi::F32>> w_sf,
-                                     bool staged) {
-  return QuantizeWeightCuda(stream, device, w, w_q, w_sf, nullptr, staged);
+                                     ffi::Result<ffi::AnyBuffer> w_q, ffi::Result<ffi::Buffer<ffi::F32>> w_sf) {
+  return QuantizeWeightCuda(stream, device, w, w_q, w_sf, nullptr);
 }
 
 ffi::Error QuantizeFp8WeightWithTransposeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer w,
                                                   ffi::Result<ffi::AnyBuffer> w_q,
                                                   ffi::Result<ffi::Buffer<ffi::F32>> w_sf,
-                                                  ffi::Result<ffi::AnyBuffer> w_q_t, bool staged) {
-  return QuantizeWeightCuda(stream, device, w, w_q, w_sf, &*w_q_t, staged);
+                                                  ffi::Result<ffi::AnyBuffer> w_q_t) {
+  return QuantizeWeightCuda(stream, device, w, w_q, w_sf, &*w_q_t);
 }
-
 ffi::Error QuantizeFp8GroupedKmajorCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                             ffi::Buffer<ffi::F32> x_sf, ffi::Buffer<ffi::S32> rows,
                                             ffi::Buffer<ffi::S32> group_sizes,
                                             ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> sf_t,
-                                            ffi::Result<ffi::Buffer<ffi::S32>> blocks, bool tiled) {
+                                            ffi::Result<ffi::Buffer<ffi::S32>> blocks) {
   KmajorShape s;
   if (auto err = CheckQuantizeKmajor(x, x_sf, rows, group_sizes, q_t, sf_t, blocks, &s); err.failure()) return err;
   InputType type = InputType::kF32;
@@ -524,7 +521,7 @@ ffi::Error QuantizeFp8GroupedKmajorCudaImpl(cudaStream_t stream, int32_t device,
   JAX_MOE_A2A_RETURN_IF_CUDA_ERROR(LaunchQuantizeFp8GroupedKmajor(
       stream, type, x.untyped_data(), s.fp8 ? x_sf.typed_data() : nullptr, s.gather ? rows.typed_data() : nullptr,
       s.r, group_sizes.typed_data(), s.groups, reinterpret_cast<uint8_t*>(q_t->untyped_data()), sf_t->typed_data(),
-      blocks->typed_data(), s.m, s.c, tiled));
+      blocks->typed_data(), s.m, s.c));
   return ffi::Error::Success();
 }
 #endif
@@ -558,8 +555,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCpu, jax_moe_a2a::Quanti
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()                  // w
                                   .Ret<xla::ffi::AnyBuffer>()                  // w_q
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // w_sf
-                                  .Attr<bool>("staged"));                       // staged
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());    // w_sf
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda, jax_moe_a2a::QuantizeFp8WeightCudaImpl,
@@ -568,8 +564,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightCuda, jax_moe_a2a::Quant
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
                                   .Arg<xla::ffi::AnyBuffer>()                     // w
                                   .Ret<xla::ffi::AnyBuffer>()                     // w_q
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // w_sf
-                                  .Attr<bool>("staged"),                          // staged
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),        // w_sf
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif
 
@@ -579,8 +574,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCpu,
                                   .Arg<xla::ffi::AnyBuffer>()                  // w
                                   .Ret<xla::ffi::AnyBuffer>()                  // w_q
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // w_sf
-                                  .Ret<xla::ffi::AnyBuffer>()                  // w_q_t
-                                  .Attr<bool>("staged"));                       // staged
+                                  .Ret<xla::ffi::AnyBuffer>());                // w_q_t
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda,
@@ -591,8 +585,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8WeightWithTransposeCuda,
                                   .Arg<xla::ffi::AnyBuffer>()                     // w
                                   .Ret<xla::ffi::AnyBuffer>()                     // w_q
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // w_sf
-                                  .Ret<xla::ffi::AnyBuffer>()                     // w_q_t
-                                  .Attr<bool>("staged"),                          // staged
+                                  .Ret<xla::ffi::AnyBuffer>(),                    // w_q_t
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif
 
@@ -604,8 +597,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCpu, jax_moe_a2a:
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
                                   .Ret<xla::ffi::AnyBuffer>()                  // q_t
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // sf_t
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // blocks
-                                  .Attr<bool>("tiled"));                        // tiled
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());    // blocks
 
 #ifdef JAX_MOE_A2A_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda, jax_moe_a2a::QuantizeFp8GroupedKmajorCudaImpl,
@@ -618,7 +610,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeA2aQuantizeFp8GroupedKmajorCuda, jax_moe_a2a
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
                                   .Ret<xla::ffi::AnyBuffer>()                     // q_t
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // sf_t
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // blocks
-                                  .Attr<bool>("tiled"),                           // tiled
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),        // blocks
                               {xla::ffi::Traits::kCmdBufferCompatible});
 #endif

@@ -13,9 +13,9 @@
 //     groups, so they spread over more warps).
 //   - Grouped K-major (128 tokens of a group x 1 column): a setup launch turns group_sizes into a table of 128-row
 //     blocks (first row, rows), one block of threads with a running prefix sum; then one thread block per 128-row
-//     block and 64 columns: warp w reads rows 16w..16w+15, each lane two adjacent columns (one 128-byte line per
-//     warp and row for 2-byte inputs), the column amax is reduced over the warps in shared memory, and each lane
-//     stores its 16 codes of each column as one 16-byte piece of a q_t row. Every input byte is read once.
+//     block and 256 bytes of columns (128 for E4M3 input) transposes them through a swizzled shared tile
+//     (QuantizeKmajorTiledKernel) and stores each column's 128 codes as 16-byte pieces of a q_t row. Every input
+//     byte is read once, in 16-byte loads.
 //   - 128x128 weight blocks: one thread block per tile; each thread loads its 16-byte pieces of the tile's rows,
 //     the tile's amax is reduced over the warp and then the block (shared memory), and each thread encodes and
 //     stores its own pieces: one read of the weights, one write of the codes (two when the transposed codes are
@@ -198,11 +198,7 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
 // shared 128x128 tile, then each thread reads a 16-row x 4-column piece of it as sixteen 4-byte words (a warp reads
 // whole tile rows: no bank conflicts), transposes it in registers with byte permutes, and writes four 16-byte
 // pieces of w_q_t rows. The weights are still read once.
-//
-// With kStaged, the pieces go to dynamic shared memory by cp.async instead of registers (piece p of thread t at
-// p * kThreads + t; only its own thread reads it, so no barrier): fewer registers per thread, more tiles per SM in
-// flight.
-template <typename T, bool kTransposed, bool kStaged>
+template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __restrict__ w,
                                                                     uint8_t* __restrict__ w_q,
                                                                     float* __restrict__ w_sf,
@@ -219,36 +215,18 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   const T* src = w + batch * n * k;
   uint8_t* dst = w_q + batch * n * k;
 
-  extern __shared__ uint4 staged[];  // kStaged: [kPasses][kThreads] pieces
-  uint4 raw[kStaged ? 1 : kPasses];
+  uint4 raw[kPasses];
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t row = row0 + p * kRowsPerPass;
-    const bool inside = row < n && col < k;
-    if constexpr (kStaged) {
-      if (inside) {
-        CopyAsync16(&staged[p * kThreads + threadIdx.x], src + row * k + col);
-      } else {
-        staged[p * kThreads + threadIdx.x] = make_uint4(0, 0, 0, 0);
-      }
-    } else {
-      raw[p] = inside ? LoadStreaming(src + row * k + col) : make_uint4(0, 0, 0, 0);
-    }
+    raw[p] = row < n && col < k ? LoadStreaming(src + row * k + col) : make_uint4(0, 0, 0, 0);
   }
-  if constexpr (kStaged) WaitCopies();
-  const auto piece = [&](int p) -> uint4 {
-    if constexpr (kStaged) {
-      return staged[p * kThreads + threadIdx.x];
-    } else {
-      return raw[p];
-    }
-  };
   float amax = 0.0f;
   int finite = 1;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     float v[kVec];
-    Unpack<T>(piece(p), v);
+    Unpack<T>(raw[p], v);
     FoldAmax<kVec>(v, amax, finite);
   }
   ReduceAmaxOverLanes<16>(amax, finite);
@@ -271,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   for (int p = 0; p < kPasses; ++p) {
     const int64_t row = row0 + p * kRowsPerPass;
     float v[kVec];
-    Unpack<T>(piece(p), v);
+    Unpack<T>(raw[p], v);
     uint8_t bytes[kVec];
     scale = EncodePiece<kVec>(v, amax, finite, bytes);
     if (row < n && col < k) StoreBytes<kVec>(dst + row * k + col, bytes);
@@ -309,36 +287,16 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   }
 }
 
-// staged: the kStaged kernel, for 2-byte inputs (their 32 KB of pieces fit the default dynamic shared memory size;
-// float32 weights keep the register kernel).
 template <typename T>
 cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float* w_sf, uint8_t* w_q_t,
-                         int64_t batch, int64_t n, int64_t k, bool staged) {
+                         int64_t batch, int64_t n, int64_t k) {
   const dim3 grid(static_cast<unsigned>((k + kGroup - 1) / kGroup), static_cast<unsigned>((n + kGroup - 1) / kGroup),
                   static_cast<unsigned>(batch));
   const auto* wt = static_cast<const T*>(w);
-  constexpr size_t kStagedBytes = static_cast<size_t>(kGroup) * kGroup * sizeof(T);
-  if constexpr (sizeof(T) == 2) {
-    if (staged) {
-      // With the transposed tile (16 KB static) the block needs just over 48 KB, the size a kernel gets without
-      // asking; the attribute is the current device's, so it is set at each launch.
-      const auto launch = [&](auto kernel, uint8_t* transposed) {
-        if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(kStagedBytes));
-            err != cudaSuccess) {
-          return err;
-        }
-        kernel<<<grid, kThreads, kStagedBytes, stream>>>(wt, w_q, w_sf, transposed, n, k);
-        return cudaGetLastError();
-      };
-      return w_q_t != nullptr ? launch(QuantizeFp8WeightKernel<T, true, true>, w_q_t)
-                              : launch(QuantizeFp8WeightKernel<T, false, true>, nullptr);
-    }
-  }
   if (w_q_t != nullptr) {
-    QuantizeFp8WeightKernel<T, true, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, w_q_t, n, k);
+    QuantizeFp8WeightKernel<T, true><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, w_q_t, n, k);
   } else {
-    QuantizeFp8WeightKernel<T, false, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, nullptr, n, k);
+    QuantizeFp8WeightKernel<T, false><<<grid, kThreads, 0, stream>>>(wt, w_q, w_sf, nullptr, n, k);
   }
   return cudaGetLastError();
 }
@@ -348,8 +306,6 @@ cudaError_t LaunchWeight(cudaStream_t stream, const void* w, uint8_t* w_q, float
 // ---------------------------------------------------------------------------------------------------------------
 
 constexpr int kKmajorThreads = 256;
-constexpr int kKmajorCols = 64;                                      // columns per thread block
-constexpr int kKmajorRowsPerWarp = kGroup / (kKmajorThreads / 32);  // 16
 
 // One block: blocks[j] = {first source row, rows} of every 128-column block j of the layout, {0, 0} past the last
 // group. Sizes are clamped as quant._clamped_groups: the start of g is min(prefix, rows), its size min(size, rows -
@@ -390,129 +346,12 @@ __global__ void __launch_bounds__(kKmajorThreads) KmajorBlocksKernel(const int32
   for (int64_t j = base_blocks + threadIdx.x; j < num_blocks; j += kKmajorThreads) blocks[j] = make_int2(0, 0);
 }
 
-// Two adjacent columns of one row as float32 (E4M3 codes: decoded and multiplied by their 1x128 scale).
-template <typename T>
-__device__ __forceinline__ float2 LoadPair(const T* p);
-
-template <>
-__device__ __forceinline__ float2 LoadPair<__nv_bfloat16>(const __nv_bfloat16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-
-template <>
-__device__ __forceinline__ float2 LoadPair<__half>(const __half* p) {
-  return __half22float2(*reinterpret_cast<const __half2*>(p));
-}
-
-template <>
-__device__ __forceinline__ float2 LoadPair<float>(const float* p) {
-  return *reinterpret_cast<const float2*>(p);
-}
-
-template <>
-__device__ __forceinline__ float2 LoadPair<uint8_t>(const uint8_t* p) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(*reinterpret_cast<const __nv_fp8x2_storage_t*>(p), __NV_E4M3);
-  return __half22float2(__half2(h));  // exact, NaN stays NaN
-}
-
-// Grid (p/128, c/64); thread (lane, warp): columns c0 = 64 * blockIdx.y + 2 * lane and c0 + 1, rows 16 * warp ..
-// + 15 of block blockIdx.x. T is the element type of x (uint8_t: E4M3 codes with x_sf).
-template <typename T>
-__global__ void __launch_bounds__(kKmajorThreads) QuantizeKmajorKernel(const T* __restrict__ x,
-                                                                       const float* __restrict__ x_sf,
-                                                                       const int32_t* __restrict__ gather,
-                                                                       int64_t x_rows,
-                                                                       const int2* __restrict__ blocks,
-                                                                       uint8_t* __restrict__ q_t,
-                                                                       float* __restrict__ sf_t, int64_t c,
-                                                                       int64_t p) {
-  constexpr int kRows = kKmajorRowsPerWarp;
-  constexpr int kWarps = kKmajorThreads / 32;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t block = blockIdx.x;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kKmajorCols + 2 * lane;
-  const int2 range = blocks[block];  // first source row, rows
-  const int row0 = warp * kRows;
-
-  // src[i]: the row of x that sorted row range.x + row0 + i reads, or -1 for a zero row (padding, or a gather
-  // index outside x).
-  int64_t src[kRows];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int r = row0 + i;
-    const int64_t sorted = static_cast<int64_t>(range.x) + r;
-    const int64_t s = r >= range.y ? -1 : gather == nullptr ? sorted : gather[sorted];
-    src[i] = s >= 0 && s < x_rows ? s : -1;
-  }
-  float2 v[kRows];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    v[i] = src[i] >= 0 ? LoadPair<T>(x + src[i] * c + c0) : make_float2(0.0f, 0.0f);
-  }
-  if constexpr (std::is_same_v<T, uint8_t>) {
-    const int64_t groups_per_row = c / kGroup;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      if (src[i] >= 0) {
-        const float s = x_sf[src[i] * groups_per_row + c0 / kGroup];
-        v[i].x = __fmul_rn(v[i].x, s);
-        v[i].y = __fmul_rn(v[i].y, s);
-      }
-    }
-  }
-
-  float amax0 = 0.0f, amax1 = 0.0f;
-  int finite0 = 1, finite1 = 1;
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    amax0 = fmaxf(amax0, fabsf(v[i].x));
-    amax1 = fmaxf(amax1, fabsf(v[i].y));
-    finite0 &= isfinite(v[i].x) ? 1 : 0;
-    finite1 &= isfinite(v[i].y) ? 1 : 0;
-  }
-  __shared__ float2 warp_amax[kWarps][32];
-  __shared__ int2 warp_finite[kWarps][32];
-  warp_amax[warp][lane] = make_float2(amax0, amax1);
-  warp_finite[warp][lane] = make_int2(finite0, finite1);
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const float2 a = warp_amax[w][lane];
-    const int2 f = warp_finite[w][lane];
-    amax0 = fmaxf(amax0, a.x);
-    amax1 = fmaxf(amax1, a.y);
-    finite0 &= f.x;
-    finite1 &= f.y;
-  }
-
-  float col[kRows];
-  uint8_t bytes[kRows];
-  float2 scale;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) col[i] = half ? v[i].y : v[i].x;
-    const float s = EncodePiece<kRows>(col, half ? amax1 : amax0, half ? finite1 : finite0, bytes);
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      if (row0 + i >= range.y) bytes[i] = 0;  // padding stays code 0, also in a NaN block
-    }
-    *reinterpret_cast<uint4*>(q_t + (c0 + half) * p + block * kGroup + row0) = *reinterpret_cast<const uint4*>(bytes);
-    if (half) {
-      scale.y = s;
-    } else {
-      scale.x = s;
-    }
-  }
-  if (warp == 0) *reinterpret_cast<float2*>(sf_t + block * c + c0) = scale;
-}
-
 // Tiled: one thread block per 128-row block of the layout and kCols columns. The 128 rows x kRowBytes are read in
 // 16-byte pieces (each warp reads whole row segments) into a shared tile whose 16-byte chunks are swizzled by row
 // (chunk ^ (row / 16) % 8); then 8 lanes share each 4-byte column word, lane s reading rows 16s .. 16s + 15 of it
 // (the swizzle puts the 8 row segments of a warp's 4 words on 32 distinct banks), reduce each column's amax with
-// three shuffles and store their 16 codes of the column as one 16-byte piece of a q_t row. Same rule, same order
-// of operations as QuantizeKmajorKernel.
+// three shuffles and store their 16 codes of the column as one 16-byte piece of a q_t row. E4M3 input is decoded
+// and multiplied by its row's 1x128 scale before the amax, as quant.quantize_fp8_grouped_kmajor's reference does.
 template <typename T>
 struct KmajorTile {
   static constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
@@ -645,53 +484,39 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
 }
 
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
-                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k, bool staged) {
+                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k) {
   if (batch == 0 || n == 0 || k == 0) return cudaSuccess;
   if ((k + kGroup - 1) / kGroup > 0x7FFFFFFF || (n + kGroup - 1) / kGroup > 65535 || batch > 65535 ||
       (w_q_t != nullptr && n % 16 != 0)) {
     return cudaErrorInvalidValue;
   }
   return WithInputType(type, [&](auto tag) {
-    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, w_q_t, batch, n, k, staged);
+    return LaunchWeight<decltype(tag)>(stream, w, w_q, w_sf, w_q_t, batch, n, k);
   });
 }
 
 cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, const void* x, const float* x_sf,
                                            const int32_t* rows, int64_t x_rows, const int32_t* group_sizes,
                                            int64_t num_groups, uint8_t* q_t, float* sf_t, int32_t* blocks, int64_t m,
-                                           int64_t c,
-                                           bool tiled) {
+                                           int64_t c) {
   const int64_t p = GroupedKmajorLength(m, num_groups);
   const int64_t num_blocks = p / kGroup;
-  if (c % kGroup != 0 || c / kKmajorCols > 65535 || num_blocks > 0x7FFFFFFF || m > 0x7FFFFFFF) {
+  // The grid's second dimension is c / kCols, largest for float32 input (the narrowest tile).
+  if (c % kGroup != 0 || c / KmajorTile<float>::kCols > 65535 || num_blocks > 0x7FFFFFFF || m > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;
   }
   auto* table = reinterpret_cast<int2*>(blocks);
   KmajorBlocksKernel<<<1, kKmajorThreads, 0, stream>>>(group_sizes, num_groups, m, num_blocks, table);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  if (tiled) {
-    const auto launch = [&](auto tag, const float* scales) {
-      using T = decltype(tag);
-      const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / KmajorTile<T>::kCols));
-      QuantizeKmajorTiledKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), scales, rows,
-                                                                        x_rows, table, q_t, sf_t, c, p);
-      return cudaGetLastError();
-    };
-    if (x_sf != nullptr) return launch(uint8_t{}, x_sf);
-    return WithInputType(type, [&](auto tag) { return launch(tag, nullptr); });
-  }
-  const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / kKmajorCols));
-  if (x_sf != nullptr) {
-    QuantizeKmajorKernel<uint8_t><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const uint8_t*>(x), x_sf, rows,
-                                                                       x_rows, table, q_t, sf_t, c, p);
-    return cudaGetLastError();
-  }
-  return WithInputType(type, [&](auto tag) {
+  const auto launch = [&](auto tag, const float* scales) {
     using T = decltype(tag);
-    QuantizeKmajorKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), nullptr, rows, x_rows,
-                                                                 table, q_t, sf_t, c, p);
+    const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(c / KmajorTile<T>::kCols));
+    QuantizeKmajorTiledKernel<T><<<grid, kKmajorThreads, 0, stream>>>(static_cast<const T*>(x), scales, rows, x_rows,
+                                                                      table, q_t, sf_t, c, p);
     return cudaGetLastError();
-  });
+  };
+  if (x_sf != nullptr) return launch(uint8_t{}, x_sf);
+  return WithInputType(type, [&](auto tag) { return launch(tag, nullptr); });
 }
 
 }  // namespace jax_moe_a2a

@@ -18,21 +18,19 @@ cudaError_t LaunchQuantizeFp8Blockwise(cudaStream_t stream, InputType type, cons
 // w [batch, n, k] (k % (16 / element size) == 0) -> w_q [batch, n, k] E4M3 bytes and w_sf float32
 // [batch, ceil(n/128), ceil(k/128)], one scale per 128x128 block (edge blocks: the values that exist). Needs
 // ceil(n/128) <= 65535 and batch <= 65535. When w_q_t is not null (then n % 16 == 0), the same codes are also
-// written transposed, w_q_t [batch, k, n]. staged picks the kernel that stages the tile in shared memory (same
-// bits; see quant.py, `gpu_kernels`).
+// written transposed, w_q_t [batch, k, n].
 cudaError_t LaunchQuantizeFp8Weight(cudaStream_t stream, InputType type, const void* w, uint8_t* w_q, float* w_sf,
-                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k, bool staged);
+                                    uint8_t* w_q_t, int64_t batch, int64_t n, int64_t k);
 
 // Grouped K-major quantization (quant.quantize_fp8_grouped_kmajor): m rows sorted by group, row i being x[rows[i]]
 // (a zero row where rows[i] is outside [0, x_rows)) or, when rows is null, x[i]; x [x_rows, c] (c % 128 == 0) of
 // `type`, or E4M3 codes decoded with their 1x128 scales x_sf [x_rows, c/128] when x_sf is not null (type is then
 // ignored) -> q_t [c, p] E4M3 bytes and sf_t [p/128, c] float32, p = GroupedKmajorLength(m, num_groups); blocks
 // [p/128, 2] int32 receives each 128-column block's first sorted row and row count. group_sizes stays on the
-// device (two launches: the block table, then the quantization). tiled picks the kernel that transposes through a
-// shared tile (same bits; see quant.py, `gpu_kernels`).
+// device (two launches: the block table, then the quantization).
 cudaError_t LaunchQuantizeFp8GroupedKmajor(cudaStream_t stream, InputType type, const void* x, const float* x_sf,
                                            const int32_t* rows, int64_t x_rows, const int32_t* group_sizes,
                                            int64_t num_groups, uint8_t* q_t, float* sf_t, int32_t* blocks, int64_t m,
-                                           int64_t c, bool tiled);
+                                           int64_t c);
 
 }  // namespace jax_moe_a2a
