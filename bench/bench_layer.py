@@ -46,8 +46,9 @@ rows differ from bf16's (bf16_ws's) by how the layer is called alone:
 Forward+backward is the value and the gradient of sum(y * ct) + load_balance_loss for every trainable parameter and
 x, as a training step takes them (with the gradient alone, XLA would prune the forward's last GEMMs, whose output
 no gradient reads). With --micro-batches N (N >= 2), mode fwd_bwd_mb times a step of N such forward+backward passes
-accumulating the parameters' gradients in a `lax.scan` (einsum and the layer variants): what is computed once per
-step, as FP8 experts' weight quantization, is then shared by the N micro-batches (`ms_per_micro_batch`).
+accumulating the parameters' gradients in a `lax.scan` (einsum and the layer variants), and `ms_per_micro_batch`
+its time over N. FP8 experts' weight quantization depends on no micro-batch: it is shared by the N micro-batches
+where XLA hoists it out of the loop (XLA:CPU does; XLA:GPU of jax 0.11.2 does not, see the README).
 
 With --check, each layer variant's output and gradients (one input set) are also compared with a float32 oracle
 of the same parameters (the layer's routing in float32, every expert run densely on every token at HIGHEST

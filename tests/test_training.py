@@ -98,12 +98,16 @@ def _called_from_loops(comps: dict[str, str]) -> set[str]:
 
 
 @pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
-def test_micro_batches_quantize_the_weights_once(backward, monkeypatch):
+def test_micro_batches_quantize_the_weights_once(backward, monkeypatch, request):
   """Gradient accumulation over micro-batches written as a `lax.scan` with the parameters closed over, as
-  the README says: the FP8 weight quantization depends on no micro-batch, and XLA hoists it out of the loop, so
-  a step quantizes the master weights once, not once per micro-batch."""
+  the README says: the FP8 weight quantization depends on no micro-batch, and XLA:CPU hoists it out of the loop,
+  so a step quantizes the master weights once, not once per micro-batch. XLA:GPU (jax 0.11.2, one H100) leaves it
+  in the loop body: marked as an expected failure there (strict: it fails once XLA:GPU hoists it, so the README's
+  note can go)."""
   if not _ffi.available():
     pytest.skip("the weight quantizer is found in the compiled program as the extension's custom call")
+  if jax.default_backend() == "gpu":
+    request.applymarker(pytest.mark.xfail(strict=True, reason="XLA:GPU keeps the weight quantization in the loop"))
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # impl="auto": the custom calls where the extension has them
   n = 4 if len(jax.devices()) >= 4 else 1
   mesh = jax.make_mesh((1, n), ("data", "expert"), devices=jax.devices()[:n],
