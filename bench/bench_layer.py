@@ -47,8 +47,9 @@ Forward+backward is the value and the gradient of sum(y * ct) + load_balance_los
 x, as a training step takes them (with the gradient alone, XLA would prune the forward's last GEMMs, whose output
 no gradient reads). With --micro-batches N (N >= 2), mode fwd_bwd_mb times a step of N such forward+backward passes
 accumulating the parameters' gradients in a `lax.scan` (einsum and the layer variants), and `ms_per_micro_batch`
-its time over N. FP8 experts' weight quantization depends on no micro-batch: it is shared by the N micro-batches
-where XLA hoists it out of the loop (XLA:CPU does; XLA:GPU of jax 0.11.2 does not, see the README).
+its time over N. FP8 experts' float weights are quantized once per step there, before the loop
+(`moe.quantize_experts`); mode fwd_bwd_mb_requant times the same step with the layer quantizing them in every
+micro-batch instead.
 
 With --check, each layer variant's output and gradients (one input set) are also compared with a float32 oracle
 of the same parameters (the layer's routing in float32, every expert run densely on every token at HIGHEST
@@ -161,9 +162,15 @@ def _layer_fns(variant: str, args, mesh, tokens: int, wire_format: Optional[str]
     y, aux = moe.moe_apply({**trainable, **frozen}, x, config, mesh, workspace=ws)
     return y, aux["load_balance_loss"]
 
-  def loss(trainable, frozen, x, ct):
-    y, lb = forward(trainable, frozen, x)
-    return jnp.sum(y.astype(jnp.float32) * ct) + lb
+  def loss(trainable, frozen, x, ct, quantized_experts=None):
+    y, aux = moe.moe_apply({**trainable, **frozen}, x, config, mesh, workspace=ws,
+                           quantized_experts=quantized_experts)
+    return jnp.sum(y.astype(jnp.float32) * ct) + aux["load_balance_loss"]
+
+  # A step of micro-batches quantizes FP8 experts' float weights once, before its loop (moe.quantize_experts).
+  once = config.expert_precision == "fp8" and not config.fp8_weights
+  prepare = (lambda trainable, frozen: {"quantized_experts": moe.quantize_experts(
+      {**trainable, **frozen}, config, mesh)}) if once else None
 
   fwd = jax.jit(forward)
   fwd_bwd = None if config.fp8_weights else jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
@@ -178,7 +185,7 @@ def _layer_fns(variant: str, args, mesh, tokens: int, wire_format: Optional[str]
 
   return (lambda x, ct: fwd(trainable, frozen, x)), \
       (None if fwd_bwd is None else (lambda x, ct: fwd_bwd(trainable, frozen, x, ct))), inputs, ws, \
-      (fwd, fwd_bwd, (trainable, frozen)), accuracy, (None if fwd_bwd is None else (loss, (0, 2)))
+      (fwd, fwd_bwd, (trainable, frozen)), accuracy, (None if fwd_bwd is None else (loss, (0, 2), prepare))
 
 
 def _oracle_loss(config: moe.MoEConfig):
@@ -254,7 +261,7 @@ def _einsum_fns(args, mesh, tokens: int):
     return x, ct
 
   return (lambda x, ct: fwd(w_gu, w_dn, x)), (lambda x, ct: fwd_bwd(w_gu, w_dn, x, ct)), inputs, None, \
-      (fwd, fwd_bwd, (w_gu, w_dn)), None, (loss, (0, 1, 2))
+      (fwd, fwd_bwd, (w_gu, w_dn)), None, (loss, (0, 1, 2), None)
 
 
 def _flax_fns(variant: str, args, mesh, tokens: int):
@@ -331,18 +338,20 @@ def _flax_fns(variant: str, args, mesh, tokens: int):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _micro_batched(loss, argnums: tuple[int, ...], params: tuple, n: int, inputs):
+def _micro_batched(loss, argnums: tuple[int, ...], prepare, params: tuple, n: int, inputs):
   """A training step over n micro-batches, as gradient accumulation runs: a `lax.scan` over x and ct stacked on a
-  leading axis, each micro-batch's value and gradients (of `loss(*params, x, ct)` at `argnums`, x's last) taken
-  with the parameters closed over, the parameters' gradients summed and x's kept per micro-batch. Returns the jitted
-  step and the make-inputs function of its stacked (xs, cts)."""
+  leading axis, each micro-batch's value and gradients (of `loss(*params, x, ct, **prepare(*params))` at `argnums`,
+  x's last) taken with the parameters closed over, the parameters' gradients summed and x's kept per micro-batch;
+  `prepare` (or None) runs once per step, before the loop. Returns the jitted step and the make-inputs function of its
+  stacked (xs, cts)."""
   value_and_grad = jax.value_and_grad(loss, argnums=argnums)
 
   def step(*args):
     *p, xs, cts = args
+    kwargs = {} if prepare is None else prepare(*p)
 
     def body(acc, xc):
-      value, grads = value_and_grad(*p, *xc)
+      value, grads = value_and_grad(*p, *xc, **kwargs)
       return (acc[0] + value, jax.tree.map(jnp.add, acc[1], grads[:-1])), grads[-1]
 
     init = (jnp.zeros((), jnp.float32), tuple(jax.tree.map(jnp.zeros_like, p[i]) for i in argnums[:-1]))
@@ -533,14 +542,19 @@ def run(args) -> list[dict]:
           rows.append(row | wire_fields)
         if args.micro_batches > 1 and train is not None:
           n = args.micro_batches
-          step, stacked_inputs = _micro_batched(*train, p, n, inputs)
-          mb_sets = [stacked_inputs(i) for i in range(args.input_sets)]
-          row = _measure(label, "fwd_bwd_mb", lambda xs, cts: step(*p, xs, cts), step, (*p, *mb_sets[0]), mb_sets,
-                         n * 3 * fwd_flops, args)
-          row.update(micro_batches=n, ms_per_micro_batch=row["ms"] / n)
-          print(f"  {label:>16} fwd_bwd_mb: {row['ms_per_micro_batch']:9.3f} ms per micro-batch of {n}", flush=True)
-          rows.append(row | wire_fields)
-          del mb_sets
+          loss, argnums, prepare = train
+          # fwd_bwd_mb: as the step should be written (FP8 weights quantized once, before the loop); where that
+          # differs, fwd_bwd_mb_requant: the layer quantizing them in every micro-batch.
+          steps = [("fwd_bwd_mb", prepare)] + ([("fwd_bwd_mb_requant", None)] if prepare is not None else [])
+          for mode, prep in steps:
+            step, stacked_inputs = _micro_batched(loss, argnums, prep, p, n, inputs)
+            mb_sets = [stacked_inputs(i) for i in range(args.input_sets)]
+            row = _measure(label, mode, lambda xs, cts, step=step: step(*p, xs, cts), step, (*p, *mb_sets[0]),
+                           mb_sets, n * 3 * fwd_flops, args)
+            row.update(micro_batches=n, ms_per_micro_batch=row["ms"] / n)
+            print(f"  {label:>16} {mode}: {row['ms_per_micro_batch']:9.3f} ms per micro-batch of {n}", flush=True)
+            rows.append(row | wire_fields)
+            del mb_sets
         if args.check and accuracy is not None:
           acc = accuracy(*input_sets[0])
           print(f"  {label:>16} calc_diff vs float32 oracle: " + ", ".join(f"{k} {v:.2e}" for k, v in acc.items()),

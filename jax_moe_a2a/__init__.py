@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     # the layer
     "MoEConfig": "moe", "init_params": "moe", "param_specs": "moe", "param_shapes": "moe", "moe_apply": "moe",
-    "make_workspace": "moe", "moe_dense_reference": "moe",
+    "make_workspace": "moe", "moe_dense_reference": "moe", "quantize_experts": "moe",
     # Flax, and Hugging Face checkpoints
     "MoE": "flax_moe", "LinenMoE": "flax_moe", "jit_apply": "flax_moe", "config_from_hf": "checkpoints", "params_from_hf": "checkpoints",
     "load_hf_layer": "checkpoints",
@@ -36,7 +36,7 @@ _PUBLIC = {
     # routing
     "RouterConfig": "routing", "route": "routing", "INVALID_EXPERT": "routing",
     # expert math
-    "ExpertWeights": "expert_mlp", "grouped_gemm_fp8": "grouped_gemm", "grouped_gemm_bf16": "grouped_gemm",
+    "ExpertWeights": "expert_mlp", "QuantizedWeights": "expert_mlp", "grouped_gemm_fp8": "grouped_gemm", "grouped_gemm_bf16": "grouped_gemm",
     # quantization
     "quantize": "quant", "dequantize": "quant", "quantize_fp8_blockwise": "quant",
     "dequantize_fp8_blockwise": "quant", "quantize_fp8_weight": "quant", "dequantize_fp8_weight": "quant",

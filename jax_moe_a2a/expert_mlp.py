@@ -66,6 +66,89 @@ class ExpertWeights:
             quant.dequantize_fp8_weight(self.w_down, self.w_down_sf, dtype=dtype))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeights:
+  """The FP8 forms of float expert weights that the FP8 MLP would make from them in every call, made once
+  (`quantize_weights`) and read in place of quantizing the weights again: a training step that accumulates
+  gradients over micro-batches quantizes its master weights once, not once per micro-batch.
+
+  The float weights stay the MLP's inputs and take the weight gradients; these forms take none. They must be made
+  from those same weights (in the same step): they are not compared with them.
+
+  Attributes:
+    w_gate_up, w_gate_up_sf, w_down, w_down_sf: E4M3 codes and FP32 128x128 block scales of the weights, as
+      `quant.quantize_fp8_weight` makes them.
+    w_gate_up_t, w_gate_up_t_sf, w_down_t, w_down_t_sf: the codes transposed ([G, hidden, 2 ffn], [G, ffn, hidden])
+      and their scales, the FP8 backward's data-gradient operands (`quant.quantize_fp8_weight_with_transpose`);
+      None for the bf16 backward, which reads the float weights.
+  """
+
+  w_gate_up: jax.Array
+  w_gate_up_sf: jax.Array
+  w_down: jax.Array
+  w_down_sf: jax.Array
+  w_gate_up_t: Optional[jax.Array] = None
+  w_gate_up_t_sf: Optional[jax.Array] = None
+  w_down_t: Optional[jax.Array] = None
+  w_down_t_sf: Optional[jax.Array] = None
+
+  @property
+  def has_transposed(self) -> bool:
+    return self.w_gate_up_t is not None
+
+  def forward_operands(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    return self.w_gate_up, self.w_gate_up_sf, self.w_down, self.w_down_sf
+
+  def transposed_operands(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    return self.w_gate_up_t, self.w_gate_up_t_sf, self.w_down_t, self.w_down_t_sf
+
+
+def quantize_weights(weights: ExpertWeights, *, backward: str = "bf16", impl: str = "auto") -> QuantizedWeights:
+  """The `QuantizedWeights` of float `weights` for the FP8 MLP with `backward` (`BACKWARDS`): the codes and scales
+  its forward reads, and for the FP8 backwards their transposes, from the quantizer calls the MLP itself makes (the
+  same bits). No gradient flows through them (the weights are read under `jax.lax.stop_gradient`)."""
+  op = "quantize_weights"
+  if weights.is_fp8:
+    raise ValueError(f"{op}: weights are FP8 already (the MLP reads them as they are); quantize float weights")
+  if backward not in BACKWARDS:
+    raise ValueError(f"{op}: backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
+  gu, dn = jax.lax.stop_gradient(weights.w_gate_up), jax.lax.stop_gradient(weights.w_down)
+  if backward == "bf16":
+    return QuantizedWeights(*quant.quantize_fp8_weight(gu, impl=impl), *quant.quantize_fp8_weight(dn, impl=impl))
+  gu_q, gu_sf, gu_t, gu_sf_t = quant.quantize_fp8_weight_with_transpose(gu, impl=impl)
+  dn_q, dn_sf, dn_t, dn_sf_t = quant.quantize_fp8_weight_with_transpose(dn, impl=impl)
+  return QuantizedWeights(gu_q, gu_sf, dn_q, dn_sf, gu_t, gu_sf_t, dn_t, dn_sf_t)
+
+
+def check_quantized(op: str, quantized: Optional[QuantizedWeights], weights: ExpertWeights, backward: str) -> None:
+  """Checks that `quantized` can stand for `weights`' FP8 forms in the FP8 MLP with `backward`."""
+  if quantized is None:
+    return
+  if not isinstance(quantized, QuantizedWeights):
+    raise TypeError(f"{op}: quantized weights must be a QuantizedWeights (quantize_weights), got "
+                    f"{type(quantized).__name__}")
+  if weights.is_fp8:
+    raise ValueError(f"{op}: quantized weights are for float expert weights; these are FP8 already")
+  if backward != "bf16" and not quantized.has_transposed:
+    raise ValueError(f"{op}: backward {backward!r} reads the weights' transposed FP8 codes: make the quantized "
+                     f"weights with quantize_weights(..., backward={backward!r}), got ones without them")
+  blocks = lambda n: -(-n // quant.FP8_BLOCK)
+  e4m3, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
+  want = {}
+  for name, w in (("w_gate_up", weights.w_gate_up), ("w_down", weights.w_down)):
+    g, n, k = w.shape
+    want[name], want[name + "_sf"] = (e4m3, (g, n, k)), (f32, (g, blocks(n), blocks(k)))
+    if quantized.has_transposed:
+      want[name + "_t"], want[name + "_t_sf"] = (e4m3, (g, k, n)), (f32, (g, blocks(k), blocks(n)))
+  for name, (dtype, shape) in want.items():
+    v = getattr(quantized, name)
+    if v is None or jnp.dtype(v.dtype) != dtype or tuple(v.shape) != shape:
+      got = "None" if v is None else f"{jnp.dtype(v.dtype).name} {tuple(v.shape)}"
+      raise ValueError(f"{op}: quantized weights' {name} must be {dtype.name} {shape} (the weights' FP8 form), "
+                       f"got {got}")
+
+
 def check_weights(op: str, weights: ExpertWeights, hidden: int) -> tuple[int, int]:
   gu, dn = weights.w_gate_up, weights.w_down
   if gu.ndim != 3 or gu.shape[1] % 2 or gu.shape[2] != hidden:
@@ -413,13 +496,17 @@ def _swiglu_quantize_rows(h, impl):
   return q.reshape(*h.shape[:-1], f), sf.reshape(*h.shape[:-1], f // quant.FP8_BLOCK)
 
 
-def _fp8_operands(st: Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  """FP8 activations and weights (each quantized here when float), and, for the FP8 backward of float weights,
-  the weights' transposed codes and scales (the data gradients' operands) from the same quantizer call, else None."""
+def _fp8_operands(st: Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf, quantized=None):
+  """FP8 activations and weights (each quantized here when float, or float weights' `quantized` forms read), and,
+  for the FP8 backward of float weights, the weights' transposed codes and scales (the data gradients' operands)
+  from the same quantizer call, else None."""
   if st.x_dtype is not None:
     x, x_sf = quantize_rows(x, st.impl)
   w_t = None
-  if st.w_dtype is not None and st.backward == "bf16":
+  if quantized is not None:
+    w_gate_up, w_gate_up_sf, w_down, w_down_sf = quantized.forward_operands()
+    w_t = None if st.backward == "bf16" else quantized.transposed_operands()
+  elif st.w_dtype is not None and st.backward == "bf16":
     w_gate_up, w_gate_up_sf = quant.quantize_fp8_weight(w_gate_up, impl=st.impl)
     w_down, w_down_sf = quant.quantize_fp8_weight(w_down, impl=st.impl)
   elif st.w_dtype is not None:
@@ -429,8 +516,10 @@ def _fp8_operands(st: Fp8MlpStatic, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_
   return (x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf), w_t
 
 
-def mlp_fp8_forward(st: Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  (a, a_sf, gu, gu_sf, dn, dn_sf), w_t = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+def mlp_fp8_forward(st: Fp8MlpStatic, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf,
+                    quantized=None):
+  (a, a_sf, gu, gu_sf, dn, dn_sf), w_t = _fp8_operands(st, x, x_sf, w_gate_up, w_gate_up_sf, w_down, w_down_sf,
+                                                       quantized)
   ffn = dn.shape[-1]
   h = grouped_gemm.grouped_gemm_fp8(a, a_sf, gu, gu_sf, group_sizes, impl=st.impl)  # [..., 2 ffn] bf16
   h = checkpoint_name(h, "expert_gate_up")
@@ -540,8 +629,8 @@ def data_gradients_fp8(impl, ct_q, ct_sf, h, group_sizes, fp8_t, weight=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
-  return mlp_fp8_forward(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+def _mlp_fp8(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf, quantized):
+  return mlp_fp8_forward(st, x, x_sf, group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf, quantized)[0]
 
 
 def _mlp_fp8_bwd(st: Fp8MlpStatic, res, ct):
@@ -585,7 +674,7 @@ def _mlp_fp8_bwd(st: Fp8MlpStatic, res, ct):
     dw_gu = dw_dn = None
   else:
     dw_gu, dw_dn = dw_gu.astype(st.w_dtype), dw_dn.astype(st.w_dtype)
-  return dx, None, None, dw_gu, None, dw_dn, None
+  return dx, None, None, dw_gu, None, dw_dn, None, None
 
 
 _mlp_fp8.defvjp(mlp_fp8_forward, _mlp_fp8_bwd)
@@ -617,7 +706,8 @@ def fp8_mlp_static(op: str, x, x_sf, weights: ExpertWeights, impl: str, backward
 
 
 def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights, *,
-                   x_sf: Optional[jax.Array] = None, impl: str = "auto", backward: str = "bf16") -> jax.Array:
+                   x_sf: Optional[jax.Array] = None, impl: str = "auto", backward: str = "bf16",
+                   quantized: Optional[QuantizedWeights] = None) -> jax.Array:
   """The grouped SwiGLU MLP in FP8: gate/up grouped GEMM -> SwiGLU -> 1x128 requantization -> down grouped GEMM.
 
   Both matmuls are `grouped_gemm.grouped_gemm_fp8` (E4M3 operands, float32 accumulation, bfloat16 output);
@@ -648,10 +738,14 @@ def swiglu_mlp_fp8(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
     x_sf: float32 1x128 scales of an FP8 x: [M, hidden/128] or [G, R, hidden/128].
     impl: "auto", "ffi" or "reference", for the grouped GEMMs and the quantizations.
     backward: "bf16", "fp8_dgrad" or "fp8" (`BACKWARDS`): how the gradients are computed, see above.
+    quantized: float weights' FP8 forms made once (`quantize_weights` with this backward), read instead of
+      quantizing the weights here; the weights still take the gradients.
 
   Returns:
     bfloat16 [M, hidden] or [G, R, hidden]; rows no expert owns are 0.
   """
-  st = fp8_mlp_static("swiglu_mlp_fp8", x, x_sf, weights, impl, backward)
+  op = "swiglu_mlp_fp8"
+  st = fp8_mlp_static(op, x, x_sf, weights, impl, backward)
+  check_quantized(op, quantized, weights, backward)
   return _mlp_fp8(st, x, x_sf, group_sizes.astype(jnp.int32), weights.w_gate_up, weights.w_gate_up_sf,
-                  weights.w_down, weights.w_down_sf)
+                  weights.w_down, weights.w_down_sf, quantized)

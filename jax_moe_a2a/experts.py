@@ -61,7 +61,8 @@ class _PassStatic:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _expert_pass(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+def _expert_pass(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf,
+                 quantized):
   """Per row, ``sum_k topk_weights[row, k] * mlp_k(x_rows[row])`` over its valid assignments (float32, ascending k):
   the rows expanded to one per assignment (`_expand_rows`), the grouped MLP (bf16: `swiglu_mlp_bf16`; FP8: the
   rows quantized 1x128 before they are expanded, or ``codes`` used as they are), the weighted sum (`_reduce_rows`).
@@ -72,11 +73,13 @@ def _expert_pass(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, 
   ``<act_k, ct[row] @ w_down>`` from the data gradient's own product, so the backward runs the same four grouped
   GEMMs as `expert_mlp.swiglu_mlp_bf16`'s, on the unweighted cotangent rows with the weight applied to act (for
   dw_down) and to d_act (for the rest). Gradients of the FP8 experts are those of `expert_mlp.swiglu_mlp_fp8` with
-  its `backward`."""
-  return _expert_pass_fwd(st, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf)[0]
+  its `backward`; float weights' FP8 forms are read from ``quantized`` where given (`expert_mlp.QuantizedWeights`)."""
+  return _expert_pass_fwd(st, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf,
+                          quantized)[0]
 
 
-def _expert_pass_fwd(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf):
+def _expert_pass_fwd(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_up, w_gate_up_sf, w_down, w_down_sf,
+                     quantized):
   pos = perm.pos.reshape(perm.valid.shape)
   if st.fp8 is not None:
     mlp_impl = st.fp8.impl
@@ -85,7 +88,8 @@ def _expert_pass_fwd(st: _PassStatic, x_rows, codes, topk_weights, perm, w_gate_
       a, a_sf = rows.scatter_rows(q, pos, impl=mlp_impl), rows.scatter_rows(q_sf, pos, impl=mlp_impl)
     with jax.named_scope("experts"):
       y, (_, _, h, _, w_bwd) = expert_mlp.mlp_fp8_forward(dataclasses.replace(st.fp8, x_dtype=None), a, a_sf,
-                                                          perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf)
+                                                          perm.group_sizes, w_gate_up, w_gate_up_sf, w_down, w_down_sf,
+                                                          quantized)
     saved_rows = (q, q_sf)
   else:
     with jax.named_scope("permute"):
@@ -161,7 +165,7 @@ def _expert_pass_bwd(st: _PassStatic, res, ct):
   with jax.named_scope("permute"):
     d_rows = rows.sum_rows(dx_sorted, perm.masked_pos(), out_dtype=st.rows_dtype, impl=mlp_impl)
   d_weights = jnp.where(perm.valid, d_w[perm.pos].reshape(perm.valid.shape), 0.0).astype(topk_weights.dtype)
-  return d_rows, None, d_weights, None, dw_gu, None, dw_dn, None
+  return d_rows, None, d_weights, None, dw_gu, None, dw_dn, None, None
 
 
 _expert_pass.defvjp(_expert_pass_fwd, _expert_pass_bwd)
@@ -171,7 +175,8 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
                  weights: ExpertWeights, *, recv_x_sf: Optional[jax.Array] = None,
                  wire_codes: Optional[tuple[jax.Array, jax.Array]] = None, out_dtype=jnp.bfloat16,
                  compute_dtype=jnp.bfloat16, method: str = "auto", precision: str = "dtype", impl: str = "auto",
-                 backward: str = "bf16", gemm_impl: Optional[str] = None) -> jax.Array:
+                 backward: str = "bf16", quantized_weights: Optional[expert_mlp.QuantizedWeights] = None,
+                 gemm_impl: Optional[str] = None) -> jax.Array:
   """Runs the local experts on what dispatch received and returns the combine payload.
 
   Each (row, k) with a valid local expert id is one assignment. Assignments are sorted by expert (stable, so
@@ -202,6 +207,9 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     backward: with precision "fp8", how the FP8 experts' gradients are computed (`expert_mlp.BACKWARDS`, see
       `swiglu_mlp_fp8`: "bf16" straight-through, "fp8_dgrad" FP8 data gradients, "fp8" FP8 data and weight
       gradients).
+    quantized_weights: with precision "fp8" and float weights, their FP8 forms made once
+      (`expert_mlp.quantize_weights` with this backward), read instead of quantizing the weights here; the
+      weights still take the gradients.
     gemm_impl: deprecated: any value but None means precision="fp8" (`impl` chooses the implementation).
 
   Rows are permuted in their own dtype (decoded to compute_dtype, or FP8 codes with their scales), the expert
@@ -215,6 +223,9 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
   precision = precision_from_gemm_impl(op, precision, gemm_impl, "precision")
   num_ranks, capacity, hidden = _check_stage_inputs(op, recv_x, recv_topk_ids, recv_topk_weights, weights)
   fp8 = precision == "fp8"
+  if quantized_weights is not None and not fp8:
+    raise ValueError(f"{op}: quantized_weights are the FP8 experts' (precision 'fp8'), got precision {precision!r}")
+  expert_mlp.check_quantized(op, quantized_weights, weights, backward)
   flat = lambda v: v.reshape(num_ranks * capacity, v.shape[-1])
   x_rows = flat(recv_x)
   sf_rows = None if recv_x_sf is None else flat(recv_x_sf)
@@ -229,9 +240,11 @@ def expert_stage(recv_x: jax.Array, recv_topk_ids: jax.Array, recv_topk_weights:
     perm = _permutation(flat(recv_topk_ids), weights.w_gate_up.shape[0])
   out_dtype = jnp.dtype(out_dtype)
   if fp8 and recv_x_sf is not None:
-    out = _fp8_rows_as_they_arrived(x_rows, sf_rows, topk_weights, perm, weights, out_dtype, impl, backward)
+    out = _fp8_rows_as_they_arrived(x_rows, sf_rows, topk_weights, perm, weights, out_dtype, impl, backward,
+                                    quantized_weights)
   elif fp8:
-    out = _fp8_experts_pass(op, x_rows, codes, topk_weights, perm, weights, out_dtype, impl, backward)
+    out = _fp8_experts_pass(op, x_rows, codes, topk_weights, perm, weights, out_dtype, impl, backward,
+                            quantized_weights)
   elif _takes_bf16_gemms(x_rows, weights, compute_dtype, method):
     out = _bf16_experts_pass(op, x_rows, topk_weights, perm, weights, out_dtype, impl)
   else:
@@ -277,13 +290,14 @@ def _weight_dtypes(w_gate_up, w_down) -> tuple[Any, Any]:
   return jnp.dtype(w_gate_up.dtype), jnp.dtype(w_down.dtype)
 
 
-def _fp8_experts_pass(op, x_rows, codes, topk_weights, perm, weights: ExpertWeights, out_dtype, impl, backward):
+def _fp8_experts_pass(op, x_rows, codes, topk_weights, perm, weights: ExpertWeights, out_dtype, impl, backward,
+                      quantized):
   """FP8 experts on float rows, in the fused pass: the rows (or the wire's codes) quantized, then expanded."""
   st = expert_mlp.fp8_mlp_static(op, x_rows, None, weights, impl, backward)
   pass_st = _PassStatic(fp8=st, impl=impl, rows_dtype=jnp.dtype(x_rows.dtype), out_dtype=out_dtype,
                         w_dtypes=None if weights.is_fp8 else _weight_dtypes(weights.w_gate_up, weights.w_down))
   return _expert_pass(pass_st, x_rows, codes, topk_weights, perm, weights.w_gate_up, weights.w_gate_up_sf,
-                      weights.w_down, weights.w_down_sf)
+                      weights.w_down, weights.w_down_sf, quantized)
 
 
 def _bf16_experts_pass(op, x_rows, topk_weights, perm, weights: ExpertWeights, out_dtype, impl):
@@ -292,17 +306,17 @@ def _bf16_experts_pass(op, x_rows, topk_weights, perm, weights: ExpertWeights, o
   w_gate_up, w_down = weights.dequantized(jnp.bfloat16) if weights.is_fp8 else (weights.w_gate_up, weights.w_down)
   pass_st = _PassStatic(fp8=None, impl=impl, rows_dtype=jnp.dtype(x_rows.dtype), out_dtype=out_dtype,
                         w_dtypes=_weight_dtypes(w_gate_up, w_down))
-  return _expert_pass(pass_st, x_rows, None, topk_weights, perm, w_gate_up, None, w_down, None)
+  return _expert_pass(pass_st, x_rows, None, topk_weights, perm, w_gate_up, None, w_down, None, None)
 
 
 def _fp8_rows_as_they_arrived(x_rows, sf_rows, topk_weights, perm, weights: ExpertWeights, out_dtype, impl,
-                              backward):
+                              backward, quantized):
   """FP8 experts on FP8 rows (no gradient to them): codes and scales gathered, run, summed in three steps."""
   with jax.named_scope("permute"):
     x_sorted, sf_sorted = x_rows[perm.src_row], sf_rows[perm.src_row]
   with jax.named_scope("experts"):
     y_sorted = expert_mlp.swiglu_mlp_fp8(x_sorted, perm.group_sizes, weights, x_sf=sf_sorted, impl=impl,
-                                         backward=backward)
+                                         backward=backward, quantized=quantized)
   with jax.named_scope("unpermute"):
     return _reduce_rows(y_sorted, topk_weights, perm, out_dtype, impl)
 

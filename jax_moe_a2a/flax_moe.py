@@ -50,7 +50,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_moe_a2a import _ffi, moe
+from jax_moe_a2a import _ffi, expert_mlp, moe
 from jax_moe_a2a.workspace import Workspace
 
 WORKSPACE_MODES = ("auto", "on", "off")
@@ -121,8 +121,9 @@ def _layer_workspace(op: str, workspace: WorkspaceArg, config: moe.MoEConfig, me
 
 
 def _apply(op: str, workspace: WorkspaceArg, config: moe.MoEConfig, mesh: moe.AnyMesh, params: dict[str, jax.Array],
-           x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  return moe.moe_apply(params, x, config, mesh, workspace=_layer_workspace(op, workspace, config, mesh, x))
+           x: jax.Array, quantized_experts=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  return moe.moe_apply(params, x, config, mesh, workspace=_layer_workspace(op, workspace, config, mesh, x),
+                       quantized_experts=quantized_experts)
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,11 +185,14 @@ class MoE(nnx.Module):
     """The parameters as the dict `moe.moe_apply` takes."""
     return {name: getattr(self, name)[...] for name in self.param_names}
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, x: jax.Array, *, quantized_experts: Optional[expert_mlp.QuantizedWeights] = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`moe.moe_apply` on this layer's parameters.
 
     Args:
       x: [num_tokens, hidden] or [batch, seq, hidden] floating, sharded over ``config.token_axes`` on dim 0.
+      quantized_experts: FP8 experts' weights quantized once per training step,
+        ``moe.quantize_experts(layer.params(), layer.config, mesh)`` (see `moe.moe_apply`).
 
     Returns:
       y: x's shape and dtype; aux: ``{"load_balance_loss": [] float32, "expert_load": [num_experts] int32}``.
@@ -196,8 +200,8 @@ class MoE(nnx.Module):
     mesh = moe.resolve_mesh("MoE", self.mesh)
     params = self.params()
     if not any(isinstance(v, jax.core.Tracer) for v in (x, *params.values())):  # outside jit, grad, ...
-      return _eager_apply(self.config, mesh, self.workspace)(params, x)
-    return _apply("MoE", self.workspace, self.config, mesh, params, x)
+      return _eager_apply(self.config, mesh, self.workspace)(params, x, quantized_experts)
+    return _apply("MoE", self.workspace, self.config, mesh, params, x, quantized_experts)
 
 
 def jit_apply(layer: MoE) -> tuple[Callable[[nnx.State, jax.Array], tuple[jax.Array, dict[str, jax.Array]]],
@@ -246,8 +250,9 @@ class LinenMoE(nn.Module):
   workspace: Any = "auto"
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`moe.moe_apply` on this layer's parameters; x and the results as for the NNX `MoE`."""
+  def __call__(self, x: jax.Array, *, quantized_experts: Optional[expert_mlp.QuantizedWeights] = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`moe.moe_apply` on this layer's parameters; x, quantized_experts and the results as for the NNX `MoE`."""
     if not isinstance(self.config, moe.MoEConfig):
       raise TypeError(f"LinenMoE: config must be a moe.MoEConfig, got {type(self.config).__name__}")
     _check_workspace_arg("LinenMoE", self.workspace)
@@ -266,4 +271,5 @@ class LinenMoE(nn.Module):
     for name, spec in specs.items():
       params[name] = self.param(name, nn.with_partitioning(init, tuple(spec), mesh=mesh), name)
     return moe.moe_apply(params, x, self.config, mesh,
-                         workspace=_layer_workspace("LinenMoE", self.workspace, self.config, mesh, x))
+                         workspace=_layer_workspace("LinenMoE", self.workspace, self.config, mesh, x),
+                         quantized_experts=quantized_experts)

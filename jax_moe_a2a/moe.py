@@ -576,8 +576,9 @@ def _expert_weights(params) -> expert_mlp.ExpertWeights:
 # shard_map's transpose adds for the inputs' cotangents (replicated parameters over data, x over tp).
 
 
-def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_level: bool):
-  """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden])."""
+def _body(params, x, quantized, *, config: MoEConfig, workspace: Optional[Workspace], two_level: bool):
+  """One shard: x [tokens_local, hidden] (or [batch_local, seq, hidden]); quantized: the local experts' FP8 forms
+  made once (`quantize_experts`), or None."""
   if workspace is not None:
     params, x = ordering.joined((params, x))  # the inputs' psums in the backward come last
   x_shape, x_dtype = x.shape, x.dtype
@@ -601,7 +602,7 @@ def _body(params, x, *, config: MoEConfig, workspace: Optional[Workspace], two_l
     expert_out = experts.expert_stage(rows, recv_ids, recv_w, _expert_weights(params), wire_codes=codes,
                                       out_dtype=dtype, compute_dtype=dtype,
                                       precision=config.expert_precision, impl=config.impl,
-                                      backward=config.expert_backward)
+                                      backward=config.expert_backward, quantized_weights=quantized)
   # Combine sums in float32 and rounds once to its out_dtype: straight to x's dtype where nothing is added after.
   direct = not config.num_shared_experts and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
   combine = combine_two_level if two_level else a2a.combine
@@ -670,7 +671,7 @@ mlir.register_lowering(_devices_check_p, _devices_check_lowering)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _moe_apply(params, x, config: MoEConfig, mesh: AnyMesh, workspace: Optional[Workspace]):
+def _moe_apply(params, x, config: MoEConfig, mesh: AnyMesh, workspace: Optional[Workspace], quantized):
   devices_mesh = mesh
   if isinstance(workspace, Workspace) and isinstance(mesh, AbstractMesh):
     # The abstract mesh of jax.set_mesh while tracing has no devices; a workspace of the same axes has, and the
@@ -695,9 +696,10 @@ def _moe_apply(params, x, config: MoEConfig, mesh: AnyMesh, workspace: Optional[
   # check_vma off, shard_map's transpose divides replicated outputs' cotangents by the replica count and sums
   # replicated inputs' cotangents over the replicas, which is exact for a layer whose replicas agree.
   fn = jax.shard_map(functools.partial(_body, config=config, workspace=workspace, two_level=two_level), mesh=mesh,
-                     in_specs=({name: specs[name] for name in params}, x_spec),
+                     in_specs=({name: specs[name] for name in params}, x_spec,
+                               jax.tree.map(lambda _: specs["w_gate_up"], quantized)),
                      out_specs=(x_spec, P(), P(None)), check_vma=False)
-  y, loss, load = fn(dict(params), x)
+  y, loss, load = fn(dict(params), x, quantized)
   return y, {"load_balance_loss": loss, "expert_load": load}
 
 
@@ -733,6 +735,7 @@ def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: AnyMesh) -> Any:
 
 def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = None, *,
               workspace: Optional[Workspace] = None, expert_precision: Optional[str] = None,
+              quantized_experts: Optional[expert_mlp.QuantizedWeights] = None,
               gemm_impl: Optional[str] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MoE layer, expert-parallel over `config.expert_axis` of `mesh` (see the module docstring).
 
@@ -755,6 +758,10 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
       needs them (`uses_two_level`); its devices are checked against the mesh's when the calls are lowered.
     expert_precision: when given, replaces `config.expert_precision` (e.g. "fp8": the routed experts on the FP8
       grouped GEMMs).
+    quantized_experts: with FP8 experts on float weights, the experts' FP8 forms made from these params by
+      `quantize_experts`, read instead of quantizing the weights in this call (the weights still take the
+      gradients): pass the same ones to every call of a training step, e.g. each micro-batch of a gradient
+      accumulation loop.
     gemm_impl: deprecated, kept for one release: any value but None is read as ``expert_precision="fp8"`` with a
       DeprecationWarning.
 
@@ -780,7 +787,62 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   sizes = mesh_axis_sizes(op, config, mesh)
   _check_params(op, params, config)
   _check_x(op, x, config, sizes)
-  return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace)
+  if quantized_experts is not None:
+    _check_quantized_experts(op, quantized_experts, params, config)
+  return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace, quantized_experts)
+
+
+def _check_quantized_experts(op: str, quantized: Any, params: Mapping[str, jax.Array], config: MoEConfig) -> None:
+  if config.expert_precision != "fp8" or config.fp8_weights:
+    raise ValueError(f"{op}: quantized_experts are the FP8 forms of float expert weights, for expert_precision='fp8' "
+                     f"and fp8_weights=False; got expert_precision={config.expert_precision!r}, "
+                     f"fp8_weights={config.fp8_weights}")
+  expert_mlp.check_quantized(op, quantized, _expert_weights(params), config.expert_backward)
+
+
+def quantize_experts(params: Mapping[str, jax.Array], config: MoEConfig,
+                     mesh: Optional[AnyMesh] = None) -> expert_mlp.QuantizedWeights:
+  """The FP8 forms of the routed experts' weights that `moe_apply` with FP8 experts makes from `params` in every
+  call, made once, for ``moe_apply(..., quantized_experts=...)``.
+
+  A training step that accumulates gradients over micro-batches calls the layer once per micro-batch with the same
+  weights; with FP8 experts each call quantizes all of them again unless the compiler hoists that out of the loop,
+  which XLA:GPU does not (docs/PERFORMANCE.md, "Micro-batches"). Made here once per step, outside
+  the loop, and passed to every call, they are quantized once; the layer's output and gradients are the same bits
+  (the same quantizer calls on the same weights), and the gradients still reach the float weights in `params`.
+  Make them from the params of the same step: the layer does not compare them with the weights.
+
+  Args:
+    params: as for `moe_apply`, with float routed experts.
+    config: the layer, with ``expert_precision="fp8"`` and ``fp8_weights=False``; its ``expert_backward`` decides
+      what is made (the FP8 backwards also read the codes transposed).
+    mesh: as for `moe_apply`.
+
+  Returns:
+    An `expert_mlp.QuantizedWeights` of global arrays sharded as the experts are (over ``config.expert_axis``).
+    No gradient flows through it.
+  """
+  op = "quantize_experts"
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  if config.expert_precision != "fp8" or config.fp8_weights:
+    raise ValueError(f"{op}: FP8 forms are made for expert_precision='fp8' with fp8_weights=False; got "
+                     f"expert_precision={config.expert_precision!r}, fp8_weights={config.fp8_weights}")
+  mesh = resolve_mesh(op, mesh)
+  mesh_axis_sizes(op, config, mesh)
+  _check_params(op, params, config)
+  return _quantize_experts(params["w_gate_up"], params["w_down"], config, mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _quantize_experts(w_gate_up, w_down, config: MoEConfig, mesh: AnyMesh) -> expert_mlp.QuantizedWeights:
+  spec = param_specs(config)["w_gate_up"]
+  quantize = lambda gu, dn: expert_mlp.quantize_weights(expert_mlp.ExpertWeights(gu, dn),
+                                                        backward=config.expert_backward, impl=config.impl)
+  out = jax.eval_shape(quantize, w_gate_up, w_down)
+  # Each expert's blocks are its own: quantized shard by shard, the codes are those of the whole array.
+  return jax.shard_map(quantize, mesh=mesh, in_specs=(spec, spec), out_specs=jax.tree.map(lambda _: spec, out),
+                       check_vma=False)(w_gate_up, w_down)
 
 
 def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, timeout_s: float = 10.0,

@@ -143,8 +143,10 @@ def test_bench_layer_writes_every_variant_and_a_plot(tmp_path):
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_layer_times_a_step_of_micro_batches(tmp_path):
   """--micro-batches N: a fwd_bwd_mb row per training variant (einsum, the layer; not stored FP8, which has no
-  backward), FLOPs of N forward+backward passes, the time per micro-batch beside the step's; the step's gradients
-  are the sums of the micro-batches' (checked on the layer's program itself)."""
+  backward), and for FP8 experts on float weights a fwd_bwd_mb_requant row beside it (the weights quantized in every
+  micro-batch rather than once before the loop); FLOPs of N forward+backward passes, the time per micro-batch
+  beside the step's; the step's gradients are the sums of the micro-batches' (checked on the layer's program itself,
+  both ways)."""
   bench_layer = _import_bench("bench_layer")
   variants = ["einsum", "fp8_fp8bwd", "fp8_stored"]
   assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
@@ -153,23 +155,25 @@ def test_bench_layer_times_a_step_of_micro_batches(tmp_path):
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rows = {(r["variant"], r["mode"]): r for r in json.loads(path.read_text())["rows"]}
   assert set(rows) == {("einsum", "fwd_bwd"), ("einsum", "fwd_bwd_mb"), ("fp8_fp8bwd", "fwd_bwd"),
-                       ("fp8_fp8bwd", "fwd_bwd_mb")}
-  for v in ("einsum", "fp8_fp8bwd"):
-    one, mb = rows[(v, "fwd_bwd")], rows[(v, "fwd_bwd_mb")]
+                       ("fp8_fp8bwd", "fwd_bwd_mb"), ("fp8_fp8bwd", "fwd_bwd_mb_requant")}
+  for v, mode in (("einsum", "fwd_bwd_mb"), ("fp8_fp8bwd", "fwd_bwd_mb"), ("fp8_fp8bwd", "fwd_bwd_mb_requant")):
+    one, mb = rows[(v, "fwd_bwd")], rows[(v, mode)]
     assert mb["micro_batches"] == 3 and mb["ms_per_micro_batch"] == pytest.approx(mb["ms"] / 3)
     assert mb["tflops"] * mb["ms"] == pytest.approx(3 * one["tflops"] * one["ms"])  # 3x the FLOPs
 
   mesh = jax.make_mesh((1, jax.device_count()), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   args = argparse.Namespace(hidden=128, ffn=128, top_k=2, local_experts=2)
-  _, one_step, inputs, _, (_, _, p), _, train = bench_layer._layer_fns("fp8_fp8bwd", args, mesh, 16)
-  step, stacked = bench_layer._micro_batched(*train, p, 2, inputs)
-  (value, grads), dxs = step(*p, *stacked(0))
+  _, one_step, inputs, _, (_, _, p), _, (loss, argnums, prepare) = bench_layer._layer_fns("fp8_fp8bwd", args, mesh, 16)
+  assert prepare is not None
   (v0, (g0, _)), (v1, (g1, dx1)) = one_step(*inputs(0)), one_step(*inputs(1))
-  assert float(value) == pytest.approx(float(v0) + float(v1), rel=1e-5)
-  for name in g0:
-    want = np.asarray(g0[name], np.float32) + np.asarray(g1[name], np.float32)
-    np.testing.assert_allclose(np.asarray(grads[0][name], np.float32), want, rtol=2e-2, atol=2e-2)
-  np.testing.assert_allclose(np.asarray(dxs[1], np.float32), np.asarray(dx1, np.float32), rtol=2e-2, atol=2e-2)
+  for prep in (prepare, None):
+    step, stacked = bench_layer._micro_batched(loss, argnums, prep, p, 2, inputs)
+    (value, grads), dxs = step(*p, *stacked(0))
+    assert float(value) == pytest.approx(float(v0) + float(v1), rel=1e-5)
+    for name in g0:
+      want = np.asarray(g0[name], np.float32) + np.asarray(g1[name], np.float32)
+      np.testing.assert_allclose(np.asarray(grads[0][name], np.float32), want, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(dxs[1], np.float32), np.asarray(dx1, np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")

@@ -147,6 +147,48 @@ def test_fp8_backward_is_the_fp8_data_gradient(impl, backward):
     assert calc_diff(a, b) < 5e-3, name
 
 
+@pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
+def test_weights_quantized_once_give_the_same_mlp(backward):
+  """`swiglu_mlp_fp8` with the weights' FP8 forms made once (`quantize_weights`) gives its output and gradients
+  without them, bit for bit; the float weights take the gradients."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((300, HIDDEN)), jnp.bfloat16)
+  sizes = jnp.asarray([120, 0, 170], jnp.int32)
+  weights = _weights(5)
+  ct = jnp.asarray(rng.standard_normal((300, HIDDEN)), jnp.float32)
+  q = expert_mlp.quantize_weights(weights, backward=backward)
+
+  def run(quantized):
+    def f(x, gu, dn):
+      y = expert_mlp.swiglu_mlp_fp8(x, sizes, expert_mlp.ExpertWeights(gu, dn), backward=backward,
+                                    quantized=quantized)
+      return jnp.sum(y.astype(jnp.float32) * ct)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, weights.w_gate_up, weights.w_down)
+
+  base, got = run(None), run(q)
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  assert np.any(np.asarray(got[1][1]) != 0) and np.any(np.asarray(got[1][2]) != 0)
+
+
+def test_quantized_weights_refusals():
+  """Quantized forms with FP8 weights, or on bf16 experts, are refused; so is quantizing FP8 weights."""
+  from jax_moe_a2a import experts  # pylint: disable=import-outside-toplevel
+  weights = _weights(0)
+  q = expert_mlp.quantize_weights(weights)
+  fp8 = expert_mlp.ExpertWeights.quantize(weights.w_gate_up, weights.w_down)
+  x = jnp.zeros((4, HIDDEN), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"swiglu_mlp_fp8: quantized weights are for float expert weights; these are "
+                                       r"FP8 already"):
+    expert_mlp.swiglu_mlp_fp8(x, jnp.asarray([4, 0, 0], jnp.int32), fp8, quantized=q)
+  with pytest.raises(ValueError, match=r"quantize_weights: weights are FP8 already"):
+    expert_mlp.quantize_weights(fp8)
+  ids = jnp.zeros((1, 4, 1), jnp.int32)
+  with pytest.raises(ValueError, match=r"expert_stage: quantized_weights are the FP8 experts' \(precision 'fp8'\), "
+                                       r"got precision 'dtype'"):
+    experts.expert_stage(x[None], ids, jnp.ones((1, 4, 1), jnp.float32), weights, quantized_weights=q)
+
+
 def test_an_unknown_backward_is_refused():
   x = jnp.zeros((4, HIDDEN), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"swiglu_mlp_fp8: backward must be one of bf16, fp8_dgrad, fp8, got 'fp4'"):

@@ -111,6 +111,26 @@ def test_linen_module_equals_moe_apply_and_gradients_flow():
                                atol=1e-6 * np.abs(np.asarray(ref[name])).max())
 
 
+def test_layers_take_experts_quantized_once_with_the_same_bits():
+  """NNX (eager and under nnx.jit) and Linen layers with FP8 experts, given `moe.quantize_experts` of their own
+  parameters: the output and the gradients of the call without them."""
+  config, mesh, x = _setup()
+  config = dataclasses.replace(config, dtype=jnp.bfloat16, expert_precision="fp8", expert_backward="fp8")
+  x = x.astype(jnp.bfloat16)
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0))
+  q = moe.quantize_experts(layer.params(), config, mesh)
+  np.testing.assert_array_equal(np.asarray(layer(x, quantized_experts=q)[0]), np.asarray(layer(x)[0]))
+  grad = lambda q: nnx.jit(nnx.grad(lambda layer, x: _loss(layer(x, quantized_experts=q)[0].astype(jnp.float32))))
+  base, got = nnx.state(grad(None)(layer, x)), nnx.state(grad(q)(layer, x))
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  linen = flax_moe.LinenMoE(config=config, mesh=mesh)
+  variables = linen.init(jax.random.key(0), x)
+  lq = moe.quantize_experts(nn.unbox(variables["params"]), config, mesh)
+  np.testing.assert_array_equal(np.asarray(linen.apply(variables, x, quantized_experts=lq)[0]),
+                                np.asarray(linen.apply(variables, x)[0]))
+
+
 def test_modules_reject_a_non_config():
   mesh = Mesh(np.asarray(devices(8)).reshape(2, 4), ("data", "expert"))
   with pytest.raises(TypeError, match="MoE: config must be a moe.MoEConfig, got dict"):

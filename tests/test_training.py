@@ -97,35 +97,85 @@ def _called_from_loops(comps: dict[str, str]) -> set[str]:
   return seen
 
 
-@pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
-def test_micro_batches_quantize_the_weights_once(backward, monkeypatch, request):
-  """Gradient accumulation over micro-batches written as a `lax.scan` with the parameters closed over, as
-  the README says: the FP8 weight quantization depends on no micro-batch, and XLA:CPU hoists it out of the loop,
-  so a step quantizes the master weights once, not once per micro-batch. XLA:GPU (jax 0.11.2, one H100) leaves it
-  in the loop body: marked as an expected failure there (strict: it fails once XLA:GPU hoists it, so the README's
-  note can go)."""
-  if not _ffi.available():
-    pytest.skip("the weight quantizer is found in the compiled program as the extension's custom call")
-  if jax.default_backend() == "gpu":
-    request.applymarker(pytest.mark.xfail(strict=True, reason="XLA:GPU keeps the weight quantization in the loop"))
-  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # impl="auto": the custom calls where the extension has them
+def _micro_batch_setup(backward):
   n = 4 if len(jax.devices()) >= 4 else 1
   mesh = jax.make_mesh((1, n), ("data", "expert"), devices=jax.devices()[:n],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   config = moe.MoEConfig(num_experts=8, top_k=2, hidden=256, ffn=256, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                          expert_precision="fp8", expert_backward=backward)
-  params = moe.init_params(jax.random.key(0), config, mesh)
+  return n, mesh, config, moe.init_params(jax.random.key(0), config, mesh)
+
+
+def _accumulating_step(config, mesh, once: bool):
+  """A training step accumulating the gradients of n micro-batches in a `lax.scan`, the parameters closed over; with
+  `once`, the experts' FP8 forms made before the loop (`moe.quantize_experts`) and passed to every micro-batch."""
 
   def step(p, xs):
-    grad = jax.grad(lambda p, x: jnp.mean(jnp.square(moe.moe_apply(p, x, config, mesh)[0].astype(jnp.float32))))
-    acc, _ = jax.lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, grad(p, x)), None),
-                          jax.tree.map(jnp.zeros_like, p), xs)
-    return acc
+    q = moe.quantize_experts(p, config, mesh) if once else None
+    loss = lambda p, x: jnp.mean(jnp.square(moe.moe_apply(p, x, config, mesh, quantized_experts=q)[0].astype(
+        jnp.float32)))
+    value_and_grad = jax.value_and_grad(loss)
 
+    def body(acc, x):
+      v, g = value_and_grad(p, x)
+      return (acc[0] + v, jax.tree.map(jnp.add, acc[1], g)), None
+
+    return jax.lax.scan(body, (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p)), xs)[0]
+
+  return step
+
+
+@pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
+def test_micro_batches_quantize_the_weights_once(backward, monkeypatch):
+  """Gradient accumulation with the experts' FP8 forms made once per step (`moe.quantize_experts`), as the README
+  says: the compiled step quantizes the master weights outside its micro-batch loop, once each, on every backend
+  (XLA:GPU does not hoist the layer's own quantization out of a loop)."""
+  if not _ffi.available():
+    pytest.skip("the weight quantizer is found in the compiled program as the extension's custom call")
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)  # impl="auto": the custom calls where the extension has them
+  n, mesh, config, params = _micro_batch_setup(backward)
   xs = jnp.zeros((4, 16 * n, config.hidden), jnp.bfloat16)
-  comps = _computations(jax.jit(step).lower(params, xs).compile().as_text())
+  comps = _computations(jax.jit(_accumulating_step(config, mesh, once=True)).lower(params, xs).compile().as_text())
   quantizes = lambda text: len(re.findall(r'custom_call_target="jax_moe_a2a_quantize_fp8_weight', text))
   in_loops = _called_from_loops(comps)
   assert in_loops, "the micro-batch loop is gone from the compiled program"
   assert sum(quantizes(t) for t in comps.values()) == 2  # gate/up and down, each once
   assert not [name for name in in_loops if quantizes(comps[name])]
+
+
+@pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
+def test_weights_quantized_once_give_the_same_step(backward):
+  """The step with the FP8 forms made once gives the loss and every gradient of the step without them, bit for bit
+  (the same quantizer calls on the same weights), and the weights still take their gradients."""
+  n, mesh, config, params = _micro_batch_setup(backward)
+  xs = jax.random.normal(jax.random.key(1), (3, 16 * n, config.hidden), jnp.bfloat16)
+  base = jax.jit(_accumulating_step(config, mesh, once=False))(params, xs)
+  got = jax.jit(_accumulating_step(config, mesh, once=True))(params, xs)
+  for path, a, b in zip(jax.tree_util.tree_leaves_with_path(base), jax.tree.leaves(base), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32), err_msg=str(path[0]))
+  for name in ("w_gate_up", "w_down"):
+    assert np.any(np.asarray(got[1][name], np.float32) != 0), name
+
+
+def test_quantized_experts_refusals():
+  """FP8 forms that cannot stand for the layer's weights are refused, naming what was expected."""
+  n, mesh, config, params = _micro_batch_setup("bf16")
+  x = jnp.zeros((16 * n, config.hidden), jnp.bfloat16)
+  q = moe.quantize_experts(params, config, mesh)
+  with pytest.raises(ValueError, match=r"quantized_experts are the FP8 forms of float expert weights, for "
+                                       r"expert_precision='fp8'.*got expert_precision='dtype'"):
+    moe.moe_apply(params, x, dataclasses.replace(config, expert_precision="dtype"), mesh, quantized_experts=q)
+  with pytest.raises(ValueError, match=r"moe_apply: backward 'fp8' reads the weights' transposed FP8 codes: make the "
+                                       r"quantized weights with quantize_weights\(..., backward='fp8'\)"):
+    moe.moe_apply(params, x, dataclasses.replace(config, expert_backward="fp8"), mesh, quantized_experts=q)
+  with pytest.raises(ValueError, match=r"quantized weights' w_down_sf must be float32 \(8, 2, 2\).*got float32 "
+                                       r"\(8, 2, 1\)"):
+    moe.moe_apply(params, x, config, mesh, quantized_experts=dataclasses.replace(q, w_down_sf=q.w_down_sf[..., :1]))
+  with pytest.raises(TypeError, match=r"quantized weights must be a QuantizedWeights \(quantize_weights\), got dict"):
+    moe.moe_apply(params, x, config, mesh, quantized_experts={"w_gate_up": q.w_gate_up})
+  fp8_config = dataclasses.replace(config, fp8_weights=True)
+  with pytest.raises(ValueError, match=r"quantize_experts: FP8 forms are made for expert_precision='fp8' with "
+                                       r"fp8_weights=False; got expert_precision='fp8', fp8_weights=True"):
+    moe.quantize_experts(moe.init_params(jax.random.key(0), fp8_config, mesh), fp8_config, mesh)
+  with pytest.raises(ValueError, match=r"quantize_experts: FP8 forms are made for expert_precision='fp8'"):
+    moe.quantize_experts(params, dataclasses.replace(config, expert_precision="dtype"), mesh)
