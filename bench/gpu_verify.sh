@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a commit needs shown on one GPU, in parts that each fit a 10-minute command (from the repository root, with
 # the package's wheel in .whl/ and, for the test extra and the notebook, .whl/extra from bench/gpu_wheels.sh):
-#   bash bench/gpu_verify.sh tests   every GPU test file, and beside them (CPU, 8 simulated devices) the layer's
-#                                    test files on this machine's jax
+#   bash bench/gpu_verify.sh tests   the custom calls' GPU test files, and beside them (CPU, 8 simulated devices)
+#                                    the layer's test files on this machine's jax
+#   bash bench/gpu_verify.sh layer_tests   the layer's test files on the GPU (training, wire formats, Flax, ...)
 #   bash bench/gpu_verify.sh bench   bench quant (the quantizers beside their references), the notebook on the
 #                                    GPU, the layer at 128 tokens beside its Flax forms, the four wire formats at 4096
 #   bash bench/gpu_verify.sh fp8     the FP8 recipe at 4096 tokens beside the einsum baseline (--check, 2
@@ -17,10 +18,8 @@ export OUT=${OUT:-$(mktemp -d)} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 here=$(dirname "$0")
 case "$part" in
   tests)
-    gpu_tests=$(ls tests/test_*_ffi.py | tr '\n' ' ')
-    gpu_tests+="tests/test_a2a_multiprocess.py tests/test_training.py tests/test_wire.py tests/test_quant_mx.py"
-    gpu_tests+=" tests/test_checkpoints.py tests/test_flax.py tests/test_moe.py"
-    TESTS="$gpu_tests" TEST_TIMEOUT=${TEST_TIMEOUT:-300} bash "$here/gpu_session.sh" &
+    gpu_tests="$(ls tests/test_*_ffi.py | tr '\n' ' ')tests/test_a2a_multiprocess.py"
+    TESTS="$gpu_tests" TEST_TIMEOUT=${TEST_TIMEOUT:-420} bash "$here/gpu_session.sh" &
     gpu=$!
     # The extension is extracted by gpu_session.sh; wait for it before the CPU run imports the package.
     for _ in $(seq 60); do ls jax_moe_a2a/_jax_moe_a2a*.so > /dev/null 2>&1 && break; sleep 1; done
@@ -34,6 +33,10 @@ case "$part" in
     wait $gpu
     gpu=$?
     [ "$cpu" -eq 0 ] && [ "$gpu" -eq 0 ]
+    ;;
+  layer_tests)
+    TESTS="tests/test_training.py tests/test_wire.py tests/test_quant_mx.py tests/test_checkpoints.py tests/test_flax.py
+      tests/test_moe.py tests/test_expert_mlp.py" TEST_TIMEOUT=${TEST_TIMEOUT:-420} bash "$here/gpu_session.sh"
     ;;
   bench)
     TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash "$here/gpu_session.sh" \
@@ -50,7 +53,7 @@ case "$part" in
     TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} bash "$here/gpu_session.sh" "gemm"
     ;;
   *)
-    echo "usage: bash bench/gpu_verify.sh tests|bench|fp8|gemm" >&2
+    echo "usage: bash bench/gpu_verify.sh tests|layer_tests|bench|fp8|gemm" >&2
     exit 2
     ;;
 esac

@@ -792,11 +792,15 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace, quantized_experts)
 
 
-def _check_quantized_experts(op: str, quantized: Any, params: Mapping[str, jax.Array], config: MoEConfig) -> None:
+def _check_float_fp8_experts(op: str, config: MoEConfig) -> None:
   if config.expert_precision != "fp8" or config.fp8_weights:
-    raise ValueError(f"{op}: quantized_experts are the FP8 forms of float expert weights, for expert_precision='fp8' "
+    raise ValueError(f"{op}: quantized experts are the FP8 forms of float expert weights, for expert_precision='fp8' "
                      f"and fp8_weights=False; got expert_precision={config.expert_precision!r}, "
                      f"fp8_weights={config.fp8_weights}")
+
+
+def _check_quantized_experts(op: str, quantized: Any, params: Mapping[str, jax.Array], config: MoEConfig) -> None:
+  _check_float_fp8_experts(op, config)
   expert_mlp.check_quantized(op, quantized, _expert_weights(params), config.expert_backward)
 
 
@@ -825,9 +829,7 @@ def quantize_experts(params: Mapping[str, jax.Array], config: MoEConfig,
   op = "quantize_experts"
   if not isinstance(config, MoEConfig):
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
-  if config.expert_precision != "fp8" or config.fp8_weights:
-    raise ValueError(f"{op}: FP8 forms are made for expert_precision='fp8' with fp8_weights=False; got "
-                     f"expert_precision={config.expert_precision!r}, fp8_weights={config.fp8_weights}")
+  _check_float_fp8_experts(op, config)
   mesh = resolve_mesh(op, mesh)
   mesh_axis_sizes(op, config, mesh)
   _check_params(op, params, config)

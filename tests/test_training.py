@@ -162,8 +162,8 @@ def test_quantized_experts_refusals():
   n, mesh, config, params = _micro_batch_setup("bf16")
   x = jnp.zeros((16 * n, config.hidden), jnp.bfloat16)
   q = moe.quantize_experts(params, config, mesh)
-  with pytest.raises(ValueError, match=r"quantized_experts are the FP8 forms of float expert weights, for "
-                                       r"expert_precision='fp8'.*got expert_precision='dtype'"):
+  with pytest.raises(ValueError, match=r"moe_apply: quantized experts are the FP8 forms of float expert weights, "
+                                       r"for expert_precision='fp8'.*got expert_precision='dtype'"):
     moe.moe_apply(params, x, dataclasses.replace(config, expert_precision="dtype"), mesh, quantized_experts=q)
   with pytest.raises(ValueError, match=r"moe_apply: backward 'fp8' reads the weights' transposed FP8 codes: make the "
                                        r"quantized weights with quantize_weights\(..., backward='fp8'\)"):
@@ -174,8 +174,10 @@ def test_quantized_experts_refusals():
   with pytest.raises(TypeError, match=r"quantized weights must be a QuantizedWeights \(quantize_weights\), got dict"):
     moe.moe_apply(params, x, config, mesh, quantized_experts={"w_gate_up": q.w_gate_up})
   fp8_config = dataclasses.replace(config, fp8_weights=True)
-  with pytest.raises(ValueError, match=r"quantize_experts: FP8 forms are made for expert_precision='fp8' with "
-                                       r"fp8_weights=False; got expert_precision='fp8', fp8_weights=True"):
+  with pytest.raises(ValueError, match=r"quantize_experts: quantized experts are the FP8 forms of float expert "
+                                       r"weights, for expert_precision='fp8' and fp8_weights=False; got "
+                                       r"expert_precision='fp8', fp8_weights=True"):
     moe.quantize_experts(moe.init_params(jax.random.key(0), fp8_config, mesh), fp8_config, mesh)
-  with pytest.raises(ValueError, match=r"quantize_experts: FP8 forms are made for expert_precision='fp8'"):
+  with pytest.raises(ValueError, match=r"quantize_experts: quantized experts are the FP8 forms.*got "
+                                       r"expert_precision='dtype'"):
     moe.quantize_experts(params, dataclasses.replace(config, expert_precision="dtype"), mesh)
