@@ -143,16 +143,30 @@ def test_micro_batches_quantize_the_weights_once(backward, monkeypatch):
   assert not [name for name in in_loops if quantizes(comps[name])]
 
 
+@pytest.mark.parametrize("impl", ["auto", "reference"])
 @pytest.mark.parametrize("backward", ["bf16", "fp8_dgrad", "fp8"])
-def test_weights_quantized_once_give_the_same_step(backward):
-  """The step with the FP8 forms made once gives the loss and every gradient of the step without them, bit for bit
-  (the same quantizer calls on the same weights), and the weights still take their gradients."""
+def test_weights_quantized_once_give_the_same_step(backward, impl, monkeypatch):
+  """The step with the FP8 forms made once gives the loss and every gradient of the step without them, and the
+  weights still take their gradients. On the custom calls, bit for bit (the same quantizer calls on the same
+  weights, the same GEMM kernels). On the references the two programs are XLA's to compile, which may order a
+  float32 sum of the bf16 backward's weight gradient differently in each (seen: 41 of 1M elements of a gradient,
+  up to 8 bf16 ulps of a small element that cancels): there within one bf16 rounding of the tensor's largest
+  element."""
+  if impl == "auto":  # the custom calls (the exchange without a workspace: its reference)
+    if not _ffi.available():
+      pytest.skip("compiled extension not built")
+    monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
   n, mesh, config, params = _micro_batch_setup(backward)
+  config = dataclasses.replace(config, impl=impl)
   xs = jax.random.normal(jax.random.key(1), (3, 16 * n, config.hidden), jnp.bfloat16)
   base = jax.jit(_accumulating_step(config, mesh, once=False))(params, xs)
   got = jax.jit(_accumulating_step(config, mesh, once=True))(params, xs)
   for path, a, b in zip(jax.tree_util.tree_leaves_with_path(base), jax.tree.leaves(base), jax.tree.leaves(got)):
-    np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32), err_msg=str(path[0]))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if impl == "auto":
+      np.testing.assert_array_equal(b, a, err_msg=str(path[0]))
+    else:
+      np.testing.assert_allclose(b, a, rtol=2.0 ** -7, atol=2.0 ** -8 * np.max(np.abs(a)), err_msg=str(path[0]))
   for name in ("w_gate_up", "w_down"):
     assert np.any(np.asarray(got[1][name], np.float32) != 0), name
 
