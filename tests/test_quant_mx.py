@@ -64,7 +64,8 @@ def _edge_rows(k, dtype, block):
   rows[7, :] = np.resize(np.array([0.5, -3.0, 7.0, 448.0, 449.0, 1e-3], F32), (k,))
   if not _ON_GPU:
     rows[8, :] = np.resize(np.array([1e-40, -3e-39, 2.0 ** -126, 0.0], F32), (k,))
-  # Values below 2^-100 beside a block amax of 1 (the kernel's quotient takes the full division there).
+  # Values below 2^-100 beside a block amax of 1 (the GPU kernel's quotient of these is inexact, its code must still
+  # be the reference's signed zero).
   rows[9, :] = np.resize(np.array([1.0, 1e-35, -1e-36, 3e-38, -1e-30, 0.0, -0.0, 2.0 ** -100], F32), (k,))
   return rows
 

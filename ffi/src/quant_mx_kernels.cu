@@ -306,16 +306,29 @@ __global__ void __launch_bounds__(1) FinishGlobalScale(float* global_scale) {
 
 // v / d correctly rounded, from d's correctly rounded reciprocal r: q = v * r is within an ulp, the residual
 // v - q * d is exact in an FMA, and q + residual * r rounds to v / d (Markstein's theorem) when nothing underflows
-// or overflows: `fast` says d and the block's largest quotient are far from both ends, and |v| >= 2^-100 keeps
-// the residual normal. Zeros keep their sign; the rest take the full division.
-__device__ __forceinline__ float Quotient(float v, float d, float r, bool fast) {
-  const uint32_t abs_bits = __float_as_uint(v) & 0x7FFFFFFFu;
-  if (abs_bits == 0) return v;
-  if (fast && abs_bits >= (27u << 23)) {
-    const float q = __fmul_rn(v, r);
-    return __fmaf_rn(__fmaf_rn(-q, d, v), r, q);
-  }
-  return __fdiv_rn(v, d);
+// or overflows, i.e. for |v| >= 2^-100 where d and the block's largest quotient are far from both ends
+// (`MarksteinBlock`). The sign of the result is not kept for zeros: the codes take v's sign (`E2m1CodeOf`).
+__device__ __forceinline__ float MarksteinQuotient(float v, float d, float r) {
+  const float q = __fmul_rn(v, r);
+  return __fmaf_rn(__fmaf_rn(-q, d, v), r, q);
+}
+
+// Whether a block divided by d may take `MarksteinQuotient` for every value: d in [2^-60, 2^100] and the largest
+// quotient at most 2^64. Values with |v| >= 2^-100 then get v / d exactly; smaller ones have |v / d| < 2^-40, as
+// has their inexact quotient, and both are E2M1 magnitude 0.
+__device__ __forceinline__ bool MarksteinBlock(float d, float r, float amax) {
+  return d >= 0x1p-60f && d <= 0x1p100f && __fmul_rn(amax, r) <= 0x1p64f;
+}
+
+// E2m1Code (quant_mx.h) of the quotient q of a value whose float32 bits are v_bits, without branches: the sign is
+// v's (the reference's quotient has v's sign, also when it is zero); below 1, rint(2 |q|) (half to even) is the low
+// bits of 2 |q| + 2^23, rounded once by the FMA.
+__device__ __forceinline__ uint32_t E2m1CodeOf(float q, uint32_t v_bits) {
+  const uint32_t abs_bits = __float_as_uint(q) & 0x7FFFFFFFu;
+  const uint32_t small = __float_as_uint(__fmaf_rn(fabsf(q), 2.0f, 0x1p23f)) - 0x4B000000u;
+  const uint32_t rounded = ((abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u)) >> 22) - 252u;
+  const uint32_t mag = abs_bits < 0x3F800000u ? small : (rounded < 7u ? rounded : 7u);
+  return mag | ((v_bits >> 28) & 8u);
 }
 
 // Blocks of 16 values enumerated row-major (the scale index is the block index).
@@ -354,15 +367,21 @@ __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restr
       scale = FloatToE4m3Device(ratio > 0.0f ? fminf(ratio, kE4m3Max) : 0.0f);
       const float denom = __fmul_rn(E4m3ToFloatDevice(scale), gs);
       const float recip = __frcp_rn(denom);
-      const bool fast = denom >= 0x1p-100f && denom <= 0x1p100f && __fmul_rn(amax, recip) <= 0x1p64f;
-      float q[kVec];
+      uint32_t code[kVec];
+      if (MarksteinBlock(denom, recip, amax)) {  // every block of a usual tensor: straight-line code
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) q[i] = denom > 0.0f ? Quotient(v[i], denom, recip, fast) : 0.0f;
+        for (int i = 0; i < kVec; ++i) {
+          code[i] = E2m1CodeOf(MarksteinQuotient(v[i], denom, recip), __float_as_uint(v[i]));
+        }
+      } else {
 #pragma unroll
-      for (int i = 0; i < kVec; i += 2) {
-        packed[i / 2] = static_cast<uint8_t>(E2m1Code(q[i], __float_as_uint(q[i])) |
-                                             (E2m1Code(q[i + 1], __float_as_uint(q[i + 1])) << 4));
+        for (int i = 0; i < kVec; ++i) {
+          const float q = denom > 0.0f ? __fdiv_rn(v[i], denom) : 0.0f;
+          code[i] = E2m1Code(q, __float_as_uint(q));
+        }
       }
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2) packed[i / 2] = static_cast<uint8_t>(code[i] | (code[i + 1] << 4));
     } else {
 #pragma unroll
       for (int i = 0; i < kVec / 2; ++i) packed[i] = 0;
