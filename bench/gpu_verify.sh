@@ -40,7 +40,7 @@ case "$part" in
     ;;
   bench)
     TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash "$here/gpu_session.sh" \
-      "quant --m 4096 16384 --ops kmajor kmajor_fp8 weight weight_t mxfp8 mxfp8_dequant nvfp4 nvfp4_dequant" \
+      "quant --m 4096 16384 --ops kmajor kmajor_fp8 weight weight_t mxfp8 mxfp8_dequant nvfp4_gs nvfp4 nvfp4_dequant" \
       "notebook" \
       "layer --tokens 128 --variants bf16 bf16_ws fp8_stored_ws nnx_call_ws nnx_jit_ws nnx_jit_apply_ws linen_jit_ws --modes fwd --no-stages" \
       "layer --tokens 4096 --variants fp8_ws --wire-formats bf16 fp8_blockwise mxfp8 nvfp4 --modes fwd --check --no-stages"
