@@ -614,7 +614,8 @@ def main(argv=None) -> int:
                  help="run each layer variant once per wire format (default: each on its own wire)")
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
   p.add_argument("--micro-batches", type=int, default=0,
-                 help="also time a training step over this many micro-batches (mode fwd_bwd_mb, >= 2)")
+                 help="also time a training step over this many micro-batches (mode fwd_bwd_mb, and for FP8 experts "
+                      "on float weights fwd_bwd_mb_requant; >= 2)")
   p.add_argument("--reference-max-tokens", type=positive_int, default=4096,
                  help="largest token count the reference variant runs at")
   p.add_argument("--twin-max-tokens", dest="reference_max_tokens", type=positive_int, default=argparse.SUPPRESS,
