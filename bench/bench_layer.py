@@ -158,14 +158,14 @@ def _layer_fns(variant: str, args, mesh, tokens: int, wire_format: Optional[str]
                and not k.endswith("_sf")}
   frozen = {k: v for k, v in params.items() if k not in trainable}
 
-  def forward(trainable, frozen, x):  # frozen (FP8 weights) are arguments too, not constants of the program
-    y, aux = moe.moe_apply({**trainable, **frozen}, x, config, mesh, workspace=ws)
+  def forward(trainable, frozen, x, quantized_experts=None):  # frozen (FP8 weights) are arguments, not constants
+    y, aux = moe.moe_apply({**trainable, **frozen}, x, config, mesh, workspace=ws,
+                           quantized_experts=quantized_experts)
     return y, aux["load_balance_loss"]
 
   def loss(trainable, frozen, x, ct, quantized_experts=None):
-    y, aux = moe.moe_apply({**trainable, **frozen}, x, config, mesh, workspace=ws,
-                           quantized_experts=quantized_experts)
-    return jnp.sum(y.astype(jnp.float32) * ct) + aux["load_balance_loss"]
+    y, lb = forward(trainable, frozen, x, quantized_experts)
+    return jnp.sum(y.astype(jnp.float32) * ct) + lb
 
   # A step of micro-batches quantizes FP8 experts' float weights once, before its loop (moe.quantize_experts).
   once = config.expert_precision == "fp8" and not config.fp8_weights

@@ -287,10 +287,6 @@ def _cast(a: np.ndarray, dtype: Any) -> np.ndarray:
     return t.astype(dtype)
 
 
-def _blocks(n: int) -> int:
-  return -(-n // quant.FP8_BLOCK)
-
-
 def _expand_blocks(scale: np.ndarray, n: int, k: int) -> np.ndarray:
   b = quant.FP8_BLOCK
   return np.repeat(np.repeat(scale, b, axis=0), b, axis=1)[:n, :k]
@@ -324,7 +320,7 @@ class _Layer:
         raise ValueError(f"{self.op}: {key!r} is float8_e4m3fn, so the checkpoint must have its block scales "
                          f"{skey!r}, which are not in tensors")
       s = self.tensors[skey]
-      want = (_blocks(shape[0]), _blocks(shape[1]))
+      want = quant.fp8_weight_scale_shape(tuple(shape))
       if tuple(s.shape) != want or _dtype_of(s) not in _SCALE_DTYPES:
         raise ValueError(f"{self.op}: {skey!r} must be [ceil({shape[0]}/128), ceil({shape[1]}/128)] = {want} of "
                          f"float32 (one scale per 128x128 block of {key!r}), got {tuple(s.shape)} of "

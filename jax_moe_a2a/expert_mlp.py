@@ -133,14 +133,13 @@ def check_quantized(op: str, quantized: Optional[QuantizedWeights], weights: Exp
   if backward != "bf16" and not quantized.has_transposed:
     raise ValueError(f"{op}: backward {backward!r} reads the weights' transposed FP8 codes: make the quantized "
                      f"weights with quantize_weights(..., backward={backward!r}), got ones without them")
-  blocks = lambda n: -(-n // quant.FP8_BLOCK)
   e4m3, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
   want = {}
   for name, w in (("w_gate_up", weights.w_gate_up), ("w_down", weights.w_down)):
     g, n, k = w.shape
-    want[name], want[name + "_sf"] = (e4m3, (g, n, k)), (f32, (g, blocks(n), blocks(k)))
+    want[name], want[name + "_sf"] = (e4m3, (g, n, k)), (f32, quant.fp8_weight_scale_shape((g, n, k)))
     if quantized.has_transposed:
-      want[name + "_t"], want[name + "_t_sf"] = (e4m3, (g, k, n)), (f32, (g, blocks(k), blocks(n)))
+      want[name + "_t"], want[name + "_t_sf"] = (e4m3, (g, k, n)), (f32, quant.fp8_weight_scale_shape((g, k, n)))
   for name, (dtype, shape) in want.items():
     v = getattr(quantized, name)
     if v is None or jnp.dtype(v.dtype) != dtype or tuple(v.shape) != shape:

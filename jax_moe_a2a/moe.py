@@ -416,7 +416,6 @@ def param_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
   - ``shared_gate``: [hidden] param_dtype (when shared_expert_gate).
   """
   e, h, f, pd = config.num_experts, config.hidden, config.ffn, config.param_dtype
-  blocks = lambda n: -(-n // quant.FP8_BLOCK)
   sds = jax.ShapeDtypeStruct
   wd = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_weights else pd
   shapes = {"router": sds((h, e), pd)}
@@ -425,8 +424,8 @@ def param_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
   shapes["w_gate_up"] = sds((e, 2 * f, h), wd)
   shapes["w_down"] = sds((e, h, f), wd)
   if config.fp8_weights:
-    shapes["w_gate_up_sf"] = sds((e, blocks(2 * f), blocks(h)), jnp.dtype(jnp.float32))
-    shapes["w_down_sf"] = sds((e, blocks(h), blocks(f)), jnp.dtype(jnp.float32))
+    for name in ("w_gate_up", "w_down"):
+      shapes[name + "_sf"] = sds(quant.fp8_weight_scale_shape(shapes[name].shape), jnp.dtype(jnp.float32))
   if config.num_shared_experts:
     s, fs = config.num_shared_experts, config.shared_width
     shapes["shared_w_gate_up"] = sds((s, 2 * fs, h), pd)
@@ -696,8 +695,7 @@ def _moe_apply(params, x, config: MoEConfig, mesh: AnyMesh, workspace: Optional[
   # check_vma off, shard_map's transpose divides replicated outputs' cotangents by the replica count and sums
   # replicated inputs' cotangents over the replicas, which is exact for a layer whose replicas agree.
   fn = jax.shard_map(functools.partial(_body, config=config, workspace=workspace, two_level=two_level), mesh=mesh,
-                     in_specs=({name: specs[name] for name in params}, x_spec,
-                               jax.tree.map(lambda _: specs["w_gate_up"], quantized)),
+                     in_specs=({name: specs[name] for name in params}, x_spec, specs["w_gate_up"]),
                      out_specs=(x_spec, P(), P(None)), check_vma=False)
   y, loss, load = fn(dict(params), x, quantized)
   return y, {"load_balance_loss": loss, "expert_load": load}
@@ -841,10 +839,8 @@ def _quantize_experts(w_gate_up, w_down, config: MoEConfig, mesh: AnyMesh) -> ex
   spec = param_specs(config)["w_gate_up"]
   quantize = lambda gu, dn: expert_mlp.quantize_weights(expert_mlp.ExpertWeights(gu, dn),
                                                         backward=config.expert_backward, impl=config.impl)
-  out = jax.eval_shape(quantize, w_gate_up, w_down)
   # Each expert's blocks are its own: quantized shard by shard, the codes are those of the whole array.
-  return jax.shard_map(quantize, mesh=mesh, in_specs=(spec, spec), out_specs=jax.tree.map(lambda _: spec, out),
-                       check_vma=False)(w_gate_up, w_down)
+  return jax.shard_map(quantize, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False)(w_gate_up, w_down)
 
 
 def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, timeout_s: float = 10.0,

@@ -458,6 +458,12 @@ def dequantize_fp8_kmajor_reference(q_t: jax.Array, sf_t: jax.Array, *, dtype: A
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def fp8_weight_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The shape of the 128x128 block scales of FP8 weights of `shape` [..., N, K]: [..., ceil(N/128), ceil(K/128)]."""
+  *batch, n, k = shape
+  return (*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+
+
 def _weight_dims(op: str, w: Any, name: str) -> tuple[tuple[int, ...], int, int]:
   if len(w.shape) < 2:
     raise ValueError(f"{op}: {name} must be [..., N, K] (at least 2-D), got shape {tuple(w.shape)}")
@@ -476,7 +482,7 @@ def _pad_nk(w: jax.Array, n: int, k: int) -> jax.Array:
 def quantize_fp8_weight_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Pure-JAX reference of `quantize_fp8_weight` (same signature and semantics, no argument checks)."""
   *batch, n, k = w.shape
-  nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+  *_, nb, kb = fp8_weight_scale_shape(w.shape)
   g = _pad_nk(w.astype(jnp.float32), n, k).reshape(*batch, nb, FP8_BLOCK, kb, FP8_BLOCK)
   q, scale = _fp8_block_quantize(g, (g.ndim - 3, g.ndim - 1))
   q = q.reshape(*batch, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k]
@@ -485,9 +491,8 @@ def quantize_fp8_weight_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _ffi_quantize_fp8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The custom call jax_moe_a2a_quantize_fp8_weight (CPU handler or CUDA kernel), one pass over w."""
-  *batch, n, k = w.shape
   out = (jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn),
-         jax.ShapeDtypeStruct((*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32))
+         jax.ShapeDtypeStruct(fp8_weight_scale_shape(w.shape), jnp.float32))
   return _ffi.ffi_call("quantize_fp8_weight", out, w)
 
 
@@ -572,7 +577,7 @@ def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
         math.prod(batch) <= 65535
     if gpu_ok or jax.default_backend() != "gpu":
       out = (jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn),
-             jax.ShapeDtypeStruct((*batch, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32),
+             jax.ShapeDtypeStruct(fp8_weight_scale_shape(w.shape), jnp.float32),
              jax.ShapeDtypeStruct((*batch, k, n), jnp.float8_e4m3fn))
       w_q, w_sf, w_q_t = _ffi.ffi_call("quantize_fp8_weight_with_transpose", out, w)
       return w_q, w_sf, w_q_t, jnp.swapaxes(w_sf, -1, -2)
@@ -587,7 +592,7 @@ def quantize_fp8_weight_with_transpose(w: jax.Array, *, impl: str = "auto"
 def dequantize_fp8_weight_reference(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.float32) -> jax.Array:
   """Pure-JAX reference of `dequantize_fp8_weight` (no argument checks)."""
   *batch, n, k = w_q.shape
-  nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+  *_, nb, kb = fp8_weight_scale_shape(w_q.shape)
   g = _pad_nk(w_q.astype(jnp.float32), n, k).reshape(*batch, nb, FP8_BLOCK, kb, FP8_BLOCK)
   g = g * w_sf[..., :, None, :, None]
   return g.reshape(*batch, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k].astype(dtype)
@@ -607,11 +612,11 @@ def dequantize_fp8_weight(w_q: jax.Array, w_sf: jax.Array, *, dtype: Any = jnp.f
   # Type and shape checks
   op = "dequantize_fp8_weight"
   check_dtype(op, "w_q", w_q, jnp.float8_e4m3fn)
-  batch, n, k = _weight_dims(op, w_q, "w_q")
+  _weight_dims(op, w_q, "w_q")
   check_dtype(op, "w_sf", w_sf, jnp.float32)
-  nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-  if tuple(w_sf.shape) != (*batch, nb, kb):
-    raise ValueError(f"{op}: w_sf must be [..., ceil(N/128), ceil(K/128)] = {(*batch, nb, kb)} for w_q of shape "
+  want = fp8_weight_scale_shape(w_q.shape)
+  if tuple(w_sf.shape) != want:
+    raise ValueError(f"{op}: w_sf must be [..., ceil(N/128), ceil(K/128)] = {want} for w_q of shape "
                      f"{tuple(w_q.shape)}, got shape {tuple(w_sf.shape)}")
   dtype = check_out_dtype(op, dtype)
   return dequantize_fp8_weight_reference(w_q, w_sf, dtype=dtype)
