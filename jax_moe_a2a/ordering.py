@@ -20,6 +20,16 @@ import jax.numpy as jnp
 # Widths of the unsigned ints XLA computes with (it has 1-bit ints as a storage type only).
 _UINT_WIDTHS = (2, 4, 8, 16, 32, 64)
 
+# The dtypes XLA holds and computes with, by name. JAX may name more than XLA holds (jax 0.12.1 names complex32
+# and float8_e5m3fnu, which no device accepts, and XLA:CPU aborts the process compiling a program with one): a
+# dtype not listed is refused by name rather than passed on.
+_HELD_NAMES = (
+    "bool_", "int2", "int4", "int8", "int16", "int32", "int64", "uint2", "uint4", "uint8", "uint16", "uint32",
+    "uint64", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "bfloat16", "float16",
+    "float32", "float64", "complex64", "complex128")
+_HELD = frozenset(jnp.dtype(getattr(jnp, n)) for n in _HELD_NAMES if hasattr(jnp, n))
+
 
 def _bits_type(dtype) -> Optional[np.dtype]:
   """The unsigned int type of dtype's width, or None: bool, complex, and widths without one XLA computes with
@@ -36,7 +46,8 @@ def _bits_type(dtype) -> Optional[np.dtype]:
 
 def _readable(dtype) -> bool:
   """Whether XLA can read the bits of dtype's values: a dep must be of such a dtype, to order anything."""
-  return dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating) or _bits_type(dtype) is not None
+  return dtype in _HELD and (
+      dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating) or _bits_type(dtype) is not None)
 
 
 def _first_bits(a: jax.Array) -> jax.Array:
@@ -104,22 +115,23 @@ def after(x: jax.Array, *deps: Any) -> jax.Array:
   the identity), not in deps. Empty arrays order nothing.
 
   Args:
-    x: a jax or NumPy array, of any dtype XLA computes with: every dtype but the 1-bit ints (int1, uint1).
-    *deps: arrays or pytrees of arrays, of any dtype whose bits XLA can read: every dtype but the 1-bit ints and
-      the 6-bit floats. Python scalars are refused, not taken as constants: a constant orders nothing.
+    x: a jax or NumPy array, of any dtype XLA computes with: every dtype of `_HELD_NAMES` (all JAX names but the
+      1-bit ints, and complex32 and float8_e5m3fnu, which no device holds).
+    *deps: arrays or pytrees of arrays, of any dtype whose bits XLA can read: those of x but the 6-bit floats.
+      Python scalars are refused, not taken as constants: a constant orders nothing.
 
   Returns:
     x, bit for bit, in the same dtype and shape: NaNs keep their sign and payload, in every float type (float8
     and float4 ones included), in complex ones and with x64.
 
   Raises:
-    TypeError: x is not an array or is of a 1-bit int type; a leaf of deps is not an array, or is of a 1-bit int
-      or 6-bit float type.
+    TypeError: x is not an array or is of a dtype not held; a leaf of deps is not an array, or is of a dtype not
+      held or a 6-bit float.
   """
   if not _is_array(x):
     raise TypeError(f"after: x must be an array, got {type(x).__name__}")
-  if x.dtype != jax.dtypes.float0 and not (_readable(x.dtype) or jnp.issubdtype(x.dtype, jnp.floating)):
-    raise TypeError(f"after: x must have a dtype XLA computes with (any but the 1-bit ints), got {x.dtype}")
+  if x.dtype != jax.dtypes.float0 and x.dtype not in _HELD:
+    raise TypeError(f"after: x must have a dtype XLA computes with (one of {', '.join(_HELD_NAMES)}), got {x.dtype}")
   leaves = []
   for path, d in jax.tree_util.tree_flatten_with_path(deps)[0]:
     where = f"deps{jax.tree_util.keystr(path)}"
@@ -128,8 +140,8 @@ def after(x: jax.Array, *deps: Any) -> jax.Array:
     if d.dtype == jax.dtypes.float0:
       continue
     if not _readable(d.dtype):
-      raise TypeError(f"after: {where} must have a dtype whose bits XLA can read (any but the 6-bit floats and "
-                      f"the 1-bit ints), got {d.dtype}")
+      raise TypeError(f"after: {where} must have a dtype whose bits XLA can read (one of {', '.join(_HELD_NAMES)} "
+                      f"but the 6-bit floats), got {d.dtype}")
     if not d.size:
       continue
     leaves.append(jnp.asarray(d))

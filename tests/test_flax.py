@@ -145,9 +145,11 @@ def _one_sided_calls(fn, *args) -> int:
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_workspace_auto_takes_the_reference_on_cpu_and_on_takes_the_one_sided_calls_with_the_same_result(monkeypatch):
-  """On CPU "auto" keeps the reference's collectives; "on" makes (once) and uses a workspace; both give the same y and
-  gradients (the one-sided calls move the same bits; the GEMMs are the same). Without $JAX_MOE_A2A_IMPL, which
-  would turn config.impl="auto" into the reference everywhere."""
+  """On CPU "auto" keeps the reference's collectives; "on" makes (once) and uses a workspace; both give the same loss
+  and expert weight gradients (the one-sided calls move the same bits; the GEMMs are the same). The router's
+  gradient is a sum over tokens and hidden units that XLA:CPU compiles in each program in an order of its own (since
+  jax 0.12.1): it agrees to a float32 rounding of its largest element. Without $JAX_MOE_A2A_IMPL, which would turn
+  config.impl="auto" into the reference everywhere."""
   skip_without_one_sided_backward()
   monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
   config, mesh, x = _setup()
@@ -169,8 +171,12 @@ def test_workspace_auto_takes_the_reference_on_cpu_and_on_takes_the_one_sided_ca
   assert ws.closed and not flax_moe._workspaces  # pylint: disable=protected-access
   (loss_a, g_a), (loss_b, g_b) = got["auto"], got["on"]
   np.testing.assert_array_equal(np.asarray(loss_a), np.asarray(loss_b))
-  for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_a), jax.tree.leaves(g_b)):
+    a, b = np.asarray(a), np.asarray(b)
+    if jax.tree_util.keystr(path).startswith("['router']"):
+      np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-23 * float(np.abs(a).max()))
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
