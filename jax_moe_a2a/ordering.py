@@ -115,8 +115,8 @@ def after(x: jax.Array, *deps: Any) -> jax.Array:
   the identity), not in deps. Empty arrays order nothing.
 
   Args:
-    x: a jax or NumPy array, of any dtype XLA computes with: every dtype of `_HELD_NAMES` (all JAX names but the
-      1-bit ints, and complex32 and float8_e5m3fnu, which no device holds).
+    x: a jax or NumPy array, of any dtype XLA computes with: every dtype JAX names but the 1-bit ints and those no
+      device holds (complex32 and float8_e5m3fnu in jax 0.12.1); the error names the ones taken.
     *deps: arrays or pytrees of arrays, of any dtype whose bits XLA can read: those of x but the 6-bit floats.
       Python scalars are refused, not taken as constants: a constant orders nothing.
 
