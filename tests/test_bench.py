@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import skip_without_one_sided_backward
 from jax_moe_a2a import _ffi, workspace
@@ -202,6 +204,26 @@ def test_bench_layer_writes_a_row_per_wire_format(tmp_path):
     assert all(v < limit for v in r["accuracy"].values()), (r["variant"], r["accuracy"])
   nvfp4 = [r["accuracy"]["output"] for r in rows if r["variant"] == "bf16@nvfp4"]
   assert nvfp4[0] > 2e-3  # four bits: the row really went over NVFP4
+
+
+def test_bench_layer_runs_every_flax_variant(tmp_path):
+  skip_without_one_sided_backward()
+  bench_layer = _import_bench("bench_layer")
+  tree_mode = {"graph", "graph_updates"} <= set(inspect.signature(nnx.jit).parameters)  # Flax's nnx.jit(graph=False)
+  variants = ["nnx_call", "nnx_jit", "nnx_jit_apply", "linen_jit"] + (["nnx_jit_tree"] if tree_mode else [])
+  variants += ["nnx_jit_apply_ws"] if _ffi.available() else []
+  assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
+                           "2", "--runs", "2", "--input-sets", "2", "--chain", "2", "--variants", *variants, "--check",
+                           "--out", str(tmp_path)]) == 0
+  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+  rows = json.loads(path.read_text())["rows"]
+  want = {(v, m) for v in variants for m in ("fwd", "fwd_bwd")} - {("nnx_call", "fwd_bwd")}  # forward only
+  assert {(r["variant"], r["mode"]) for r in rows} == want
+  for r in rows:
+    assert r["ms"] > 0 and r["sync_ms"] > 0, r
+    grads = {"grad_router", "grad_w_gate_up", "grad_w_down", "grad_x"} if r["variant"] != "nnx_call" else set()
+    assert set(r["accuracy"]) == {"output"} | grads, r
+    assert all(v < 1e-4 for v in r["accuracy"].values()), r  # bf16 experts: the bf16 variant's tolerance
 
 
 def test_bench_layer_labels_and_refuses_a_hidden_a_format_cannot_carry(capsys):

@@ -3,11 +3,7 @@ its parameters' shardings, and passes gradients to them."""
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
-import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +17,6 @@ from conftest import devices, skip_without_one_sided_backward
 from jax_moe_a2a import _ffi, flax_moe, moe
 
 HIDDEN = 256
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
 def _setup(fp8_weights=False):
@@ -414,26 +409,3 @@ def test_gpu_fast_calls_take_the_one_sided_calls_with_moe_apply_bits(monkeypatch
   for name, (y, aux) in got.items():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref), err_msg=name)
     np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(aux_ref["expert_load"]), err_msg=name)
-
-
-def test_bench_layer_runs_every_flax_variant(tmp_path):
-  skip_without_one_sided_backward()
-  sys.path.insert(0, BENCH)
-  try:
-    bench_layer = importlib.import_module("bench_layer")
-  finally:
-    sys.path.remove(BENCH)
-  variants = ["nnx_call", "nnx_jit", "nnx_jit_apply", "linen_jit"] + (["nnx_jit_tree"] if _has_tree_mode() else [])
-  variants += ["nnx_jit_apply_ws"] if _ffi.available() else []
-  assert bench_layer.main(["--tokens", "16", "--local-experts", "2", "--hidden", "128", "--ffn", "128", "--top-k",
-                           "2", "--runs", "2", "--input-sets", "2", "--chain", "2", "--variants", *variants, "--check",
-                           "--out", str(tmp_path)]) == 0
-  (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
-  rows = json.loads(path.read_text())["rows"]
-  want = {(v, m) for v in variants for m in ("fwd", "fwd_bwd")} - {("nnx_call", "fwd_bwd")}  # forward only
-  assert {(r["variant"], r["mode"]) for r in rows} == want
-  for r in rows:
-    assert r["ms"] > 0 and r["sync_ms"] > 0, r
-    grads = {"grad_router", "grad_w_gate_up", "grad_w_down", "grad_x"} if r["variant"] != "nnx_call" else set()
-    assert set(r["accuracy"]) == {"output"} | grads, r
-    assert all(v < 1e-4 for v in r["accuracy"].values()), r  # bf16 experts: the bf16 variant's tolerance
