@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     workspace.close()
 
   # The oracle runs on one device.
-  params1, x1, ct1 = jax.device_put((params, x, ct), jax.sharding.SingleDeviceSharding(devices[0]))
+  params1, x1, ct1 = jax.device_put((params, x, ct), devices[0])
   (_, aux_ref), (g_params_ref, g_x_ref) = oracle(split(params1)[0], x1, split(params1)[1], ct1)
   y_ref = jax.jit(lambda p, x: moe.moe_dense_reference(p, x, config)[0])(params1, x1)
 

@@ -131,7 +131,7 @@ def _run(config, mesh, workspace=None, **kw):
   """(moe_apply results, oracle results), each (y, aux, grads) as NumPy."""
   params, x, ct = _inputs(config, mesh, **kw)
   got = _value_and_grads(lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace))(params, x, ct)
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  one = jax.devices()[0]
   # The oracle depends on neither mesh nor wire nor compute dtype: share its compilation between tests.
   oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
                                       expert_axis="expert", tp_axis=None, sequence_parallel=False,

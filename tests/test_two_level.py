@@ -195,7 +195,7 @@ def _layer_run(config, mesh, workspace):
       lambda p, x: moe.moe_apply(p, x, config, mesh, workspace=workspace))(params, x, ct)
   oracle_config = dataclasses.replace(config, wire_format="bf16", dtype=jnp.float32, token_axes=(),
                                                expert_axis="expert", two_level=None, expert_precision="dtype")
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  one = jax.devices()[0]
   want = test_moe._oracle_fn(oracle_config)(*jax.device_put((params, x, ct), one))  # pylint: disable=protected-access
   return jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want)
 
