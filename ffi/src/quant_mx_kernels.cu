@@ -313,22 +313,45 @@ __device__ __forceinline__ float MarksteinQuotient(float v, float d, float r) {
   return __fmaf_rn(__fmaf_rn(-q, d, v), r, q);
 }
 
-// Whether a block divided by d may take `MarksteinQuotient` for every value: d in [2^-60, 2^100] and the largest
-// quotient at most 2^64. Values with |v| >= 2^-100 then get v / d exactly; smaller ones have |v / d| < 2^-40, as
-// has their inexact quotient, and both are E2M1 magnitude 0.
+// Whether a block divided by d may take the straight-line path (`MarksteinQuotient`, then `E2m1CodeOf`) for every
+// value: d in [2^-60, 2^100] and amax / d at most 6.5. Values with |v| >= 2^-100 then get v / d exactly; smaller
+// ones have |v / d| < 2^-40, as has their inexact quotient, and both are E2M1 magnitude 0. The bound keeps every
+// quotient below 7, where `E2m1CodeOf` is exact; a scale rounded to E4M3 leaves amax / d at most 6 * 17 / 16, so
+// only blocks whose scale saturated or became subnormal take the exact per-value path.
 __device__ __forceinline__ bool MarksteinBlock(float d, float r, float amax) {
-  return d >= 0x1p-60f && d <= 0x1p100f && __fmul_rn(amax, r) <= 0x1p64f;
+  return d >= 0x1p-60f && d <= 0x1p100f && __fmul_rn(amax, r) <= 6.5f;
 }
 
-// E2m1Code (quant_mx.h) of the quotient q of a value whose float32 bits are v_bits, without branches: the sign is
-// v's (the reference's quotient has v's sign, also when it is zero); below 1, rint(2 |q|) (half to even) is the low
-// bits of 2 |q| + 2^23, rounded once by the FMA.
+// E2m1Code (quant_mx.h) of a quotient q with |q| < 7 of a value whose float32 bits are v_bits, on the FMA pipe: the
+// sign is v's (the reference's quotient has v's sign, also when it is zero). Each E2M1 binade is an FMA that puts
+// the code's low bits into the mantissa of 2^23 + code, rounding once half to even: 2 |q| + 2^23 below 1 (codes 0-2),
+// |q| + 2^23 + 2 in [1, 2) (codes 2-4), |q| / 2 + 2^23 + 4 in [2, 4) (codes 4-6), and 6 from [4, 7) through the last.
+// Each line is at or above the others' in its own binade (they round a smaller slope), so their minimum is the code:
+// checked for every float32 in [0, 7) against the reference's rounding.
 __device__ __forceinline__ uint32_t E2m1CodeOf(float q, uint32_t v_bits) {
-  const uint32_t abs_bits = __float_as_uint(q) & 0x7FFFFFFFu;
-  const uint32_t small = __float_as_uint(__fmaf_rn(fabsf(q), 2.0f, 0x1p23f)) - 0x4B000000u;
-  const uint32_t rounded = ((abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u)) >> 22) - 252u;
-  const uint32_t mag = abs_bits < 0x3F800000u ? small : (rounded < 7u ? rounded : 7u);
-  return mag | ((v_bits >> 28) & 8u);
+  const float t = fabsf(q);
+  const float c = fminf(fminf(__fmaf_rn(t, 2.0f, 0x1p23f), __fmaf_rn(t, 1.0f, 0x1p23f + 2.0f)),
+                        __fmaf_rn(t, 0.5f, 0x1p23f + 4.0f));
+  return (__float_as_uint(c) & 7u) | ((v_bits >> 28) & 8u);
+}
+
+// The amax and finiteness of an NVFP4 block of 2-byte values held by two lanes, from their raw words: the largest
+// magnitude has the largest sign-cleared bit pattern, finite when that is below infinity's. Two halves per
+// instruction and one shuffle, without a float compare per value.
+template <typename T>
+__device__ __forceinline__ void AmaxOfHalves(uint4 w, float& amax, int& finite) {
+  constexpr uint32_t kAbs = 0x7FFF7FFFu;
+  uint32_t m = __vmaxu2(__vmaxu2(w.x & kAbs, w.y & kAbs), __vmaxu2(w.z & kAbs, w.w & kAbs));
+  m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  const uint32_t top = max(m & 0xFFFFu, m >> 16);
+  if constexpr (std::is_same_v<T, __half>) {
+    finite = top < 0x7C00u;
+    amax = __half2float(__ushort_as_half(static_cast<unsigned short>(top)));
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "2-byte inputs: bf16 or f16");
+    finite = top < 0x7F80u;
+    amax = __uint_as_float(top << 16);
+  }
 }
 
 // Blocks of 16 values enumerated row-major (the scale index is the block index).
@@ -357,8 +380,12 @@ __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restr
     Unpack<T>(raw[u], v);
     float amax = 0.0f;
     int finite = 1;
-    FoldAmax<kVec>(v, amax, finite);
-    ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
+    if constexpr (sizeof(T) == 2) {
+      AmaxOfHalves<T>(raw[u], amax, finite);
+    } else {
+      FoldAmax<kVec>(v, amax, finite);
+      ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
+    }
     if (f >= num_blocks) continue;
     uint8_t packed[kVec / 2];
     uint32_t scale = kE4m3NaN;
