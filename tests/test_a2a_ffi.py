@@ -664,12 +664,12 @@ def test_moe_training_gradients_with_a_workspace_equal_the_reference(wire_format
   n = len(jax.devices())
   data = 2 if n >= 4 else 1
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(data, n // data), ("data", "expert"))
-  cfg = moe.MoEConfig(num_experts=16 * (n // data), top_k=6, hidden=1024, ffn=512, wire_format=wire_format,
+  cfg = moe.MoEConfig(num_experts=16 * (n // data), top_k=6, hidden=256, ffn=128, wire_format=wire_format,
                       num_shared_experts=1, token_axes=("data", "expert"), expert_axis="expert", dtype=jnp.bfloat16)
   params = moe.init_params(jax.random.key(0), cfg, mesh)
   sharding = NamedSharding(mesh, P(("data", "expert")))
-  x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 1024), jnp.float32).astype(jnp.bfloat16), sharding)
-  ct = jax.device_put(jax.random.normal(jax.random.key(2), (64 * n, 1024), jnp.float32), sharding)
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (64 * n, 256), jnp.float32).astype(jnp.bfloat16), sharding)
+  ct = jax.device_put(jax.random.normal(jax.random.key(2), (64 * n, 256), jnp.float32), sharding)
 
   def step(ws):  # the loss too: the forward combine stays in the program; with a workspace, impl="ffi" always
     c = cfg if ws is None else dataclasses.replace(cfg, impl="ffi")
