@@ -3,7 +3,10 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace jax_moe_a2a {
 
@@ -59,6 +62,21 @@ __device__ __forceinline__ void ReduceAmaxOverLanes(float& amax, int& finite) {
   for (int o = kHighest; o >= kLowest; o >>= 1) {
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
     finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, o);
+  }
+}
+
+// The E4M3 codes of v[0 .. kN) times inv_scale (a power of two: the product is exact) clamped to [-limit, limit],
+// rounded to nearest even by the hardware's pair conversion: the encoding step of quant.h and quant_mx.h.
+template <int kN>
+__device__ __forceinline__ void EncodeE4m3(const float* v, float inv_scale, float limit, uint8_t* bytes) {
+#pragma unroll
+  for (int i = 0; i < kN; i += 2) {
+    float2 q;
+    q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -limit), limit);
+    q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -limit), limit);
+    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+    bytes[i] = static_cast<uint8_t>(pair & 0xFF);
+    bytes[i + 1] = static_cast<uint8_t>(pair >> 8);
   }
 }
 

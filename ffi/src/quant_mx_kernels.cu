@@ -117,15 +117,7 @@ __device__ __forceinline__ uint32_t EncodeMxPiece(const float* v, float amax, in
   const uint32_t biased = MxScaleBiased(__float_as_uint(amax));
   const float inv_scale = __uint_as_float((254u - biased) << 23);
   const float limit = E4m3Limit(biased);
-#pragma unroll
-  for (int i = 0; i < kVec; i += 2) {
-    float2 q;
-    q.x = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -limit), limit);
-    q.y = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -limit), limit);
-    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
-    bytes[i] = static_cast<uint8_t>(pair & 0xFF);
-    bytes[i + 1] = static_cast<uint8_t>(pair >> 8);
-  }
+  EncodeE4m3<kVec>(v, inv_scale, limit, bytes);
   return biased;
 }
 
