@@ -2,9 +2,10 @@
 # One GPU session in one command: install the prebuilt extension from .whl/, check it, run the GPU tests and the
 # benchmarks. Usage (on a GPU machine, from the repository root):
 #   TESTS="tests/test_x.py ..." bash bench/gpu_session.sh ["<bench name> [bench args...]" ...]
-# TESTS defaults to the FFI tests; TESTS=none runs none. Each further argument is one benchmark with its
-# arguments. Results go to bench/results/ (or where a benchmark's --out says) and, when $OUT is set, are copied
-# there too, with the full test log and the notebook's figure. Exits non-zero when a test or a benchmark fails.
+# TESTS defaults to the FFI tests; TESTS=none runs none; the test log ends with every failure and every skip with
+# its reason. Each further argument is one benchmark with its arguments. Results go to bench/results/ (or where a
+# benchmark's --out says) and, when $OUT is set, are copied there too, with the full test log and the notebook's
+# figure. Exits non-zero when a test or a benchmark fails.
 # Optional: EXTRA_WHEELS=<dir> installs the wheels there first (offline, into a private folder on PYTHONPATH: what
 # the GPU image lacks, e.g. the test extra's transformers or the notebook's nbclient and ipykernel);
 # TEST_TIMEOUT (default 300) and BENCH_TIMEOUT (default 180) bound the tests and each benchmark in seconds;
@@ -37,7 +38,7 @@ status=0
 tests=${TESTS:-tests/test_*_ffi.py tests/test_a2a_multiprocess.py}
 if [ "$tests" != "none" ]; then
   # shellcheck disable=SC2086  (the list is word-split on purpose)
-  JAX_MOE_A2A_TEST_GPU=1 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider $tests \
+  JAX_MOE_A2A_TEST_GPU=1 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -rfEs -p no:cacheprovider $tests \
     > "$LOG_DIR/pytest.log" 2>&1
   rc=$?
   tail -n 25 "$LOG_DIR/pytest.log"
