@@ -315,11 +315,11 @@ __device__ __forceinline__ bool MarksteinBlock(float d, float r, float amax) {
 }
 
 // E2m1Code (quant_mx.h) of a quotient q with |q| < 7 of a value whose float32 bits are v_bits, on the FMA pipe: the
-// sign is v's (the reference's quotient has v's sign, also when it is zero). Each E2M1 binade is an FMA that puts
-// the code's low bits into the mantissa of 2^23 + code, rounding once half to even: 2 |q| + 2^23 below 1 (codes 0-2),
-// |q| + 2^23 + 2 in [1, 2) (codes 2-4), |q| / 2 + 2^23 + 4 in [2, 4) (codes 4-6), and 6 from [4, 7) through the last.
-// Each line is at or above the others' in its own binade (they round a smaller slope), so their minimum is the code:
-// checked for every float32 in [0, 7) against the reference's rounding.
+// sign is v's (the reference's quotient has v's sign, also when it is zero). Where the E2M1 grid has one step, an FMA
+// puts the code into the low bits of 2^23 + code, rounding once half to even: 2 |q| + 2^23 on [0, 2) (step 0.5,
+// codes 0-4), |q| + 2^23 + 2 on [2, 4) (step 1, codes 4-6), |q| / 2 + 2^23 + 4 on [4, 7) (step 2, codes 6-7). On each
+// range its line is the lowest of the three (they meet at 2 and 4), so their minimum holds the code: checked for
+// every float32 in [0, 7) against the reference's rounding.
 __device__ __forceinline__ uint32_t E2m1CodeOf(float q, uint32_t v_bits) {
   const float t = fabsf(q);
   const float c = fminf(fminf(__fmaf_rn(t, 2.0f, 0x1p23f), __fmaf_rn(t, 1.0f, 0x1p23f + 2.0f)),
