@@ -15,22 +15,11 @@ baseline=$1 changed=$2 rounds=$3 spec=$4
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
-extract() {
-  "$PY" - "$1" <<'PYEOF'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-  names = [n for n in z.namelist() if n.startswith("jax_moe_a2a/_jax_moe_a2a") and n.endswith(".so")]
-  if not names:
-    sys.exit(f"{sys.argv[1]}: no compiled module in the wheel")
-  for n in names:
-    z.extract(n, ".")
-PYEOF
-}
 status=0
 for r in $(seq "$rounds"); do
   for side in baseline changed; do
     whl=$([ "$side" = baseline ] && echo "$baseline" || echo "$changed")
-    extract "$whl" || exit 2
+    "$PY" "$(dirname "$0")/extension_from_wheel.py" "$whl" > /dev/null || exit 2
     dir="$OUT/ab/$side$r"
     mkdir -p "$dir"
     # shellcheck disable=SC2086  (the bench arguments are word-split on purpose)

@@ -18,14 +18,7 @@ marker=$(mktemp)
 whl=$(ls .whl/jax_moe_a2a-*.whl 2>/dev/null | head -n 1)
 if [ -z "$whl" ]; then echo "no wheel in .whl/ (build one with: JAX_MOE_A2A_CUDA=ON pip wheel --no-deps -w .whl .)"; exit 2; fi
 # The compiled module goes next to the sources, so the checkout's package is complete.
-"$PY" - "$whl" <<'PYEOF'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-  for n in z.namelist():
-    if n.startswith("jax_moe_a2a/_jax_moe_a2a") and n.endswith(".so"):
-      z.extract(n, ".")
-      print("extension:", n)
-PYEOF
+"$PY" "$(dirname "$0")/extension_from_wheel.py" "$whl" || exit 2
 if [ -n "${EXTRA_WHEELS:-}" ]; then
   site=$(mktemp -d)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$EXTRA_WHEELS"/*.whl > /dev/null 2>&1 \
