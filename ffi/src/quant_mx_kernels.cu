@@ -8,7 +8,9 @@
 //     load it, 16 bytes each; its amax is reduced with shuffles inside that lane segment, and each thread encodes
 //     and stores its own values. One read of x, one write of the codes, no shared memory. Every lane takes part
 //     in the shuffles, also lanes past the end (their loads and stores are skipped), so full-warp masks stay valid.
-//   - Each thread keeps kManyUnroll 16-byte loads in flight before it computes (one when there are few blocks, so
+//     NVFP4 blocks of 2-byte values (32 bytes) are the exception: one thread loads a whole block in two 16-byte
+//     loads and works out its scale once (the scale's two divisions and reciprocal are a large share of the work).
+//   - Each thread keeps kManyUnroll 16-byte loads in flight before it computes (one block when there are few, so
 //     they spread over more warps).
 //   - Dequantizers: one thread per 16 codes (MXFP8: half a block, one 16-byte load) or per NVFP4 block (8 bytes),
 //     writing its outputs as 16-byte stores.
@@ -327,14 +329,14 @@ __device__ __forceinline__ uint32_t E2m1CodeOf(float q, uint32_t v_bits) {
   return (__float_as_uint(c) & 7u) | ((v_bits >> 28) & 8u);
 }
 
-// The amax and finiteness of an NVFP4 block of 2-byte values held by two lanes, from their raw words: the largest
-// magnitude has the largest sign-cleared bit pattern, finite when that is below infinity's. Two halves per
-// instruction and one shuffle, without a float compare per value.
+// The amax and finiteness of an NVFP4 block of 2-byte values from its raw words (one lane holds the whole block):
+// the largest magnitude has the largest sign-cleared bit pattern, finite when that is below infinity's. Two halves
+// per instruction, without a float compare per value.
 template <typename T>
-__device__ __forceinline__ void AmaxOfHalves(uint4 w, float& amax, int& finite) {
+__device__ __forceinline__ void AmaxOfHalves(const uint4* w, float& amax, int& finite) {
   constexpr uint32_t kAbs = 0x7FFF7FFFu;
-  uint32_t m = __vmaxu2(__vmaxu2(w.x & kAbs, w.y & kAbs), __vmaxu2(w.z & kAbs, w.w & kAbs));
-  m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  const uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(w[0].x & kAbs, w[0].y & kAbs), __vmaxu2(w[0].z & kAbs, w[0].w & kAbs)),
+                              __vmaxu2(__vmaxu2(w[1].x & kAbs, w[1].y & kAbs), __vmaxu2(w[1].z & kAbs, w[1].w & kAbs)));
   const uint32_t top = max(m & 0xFFFFu, m >> 16);
   if constexpr (std::is_same_v<T, __half>) {
     finite = top < 0x7C00u;
@@ -346,66 +348,82 @@ __device__ __forceinline__ void AmaxOfHalves(uint4 w, float& amax, int& finite) 
   }
 }
 
+// How an NVFP4 block of T is spread over lanes: a 2-byte block (32 bytes) is one lane's two 16-byte loads, so the
+// block's scale is worked out once, not by each lane holding part of it; a float32 block is four lanes' loads.
+template <typename T>
+struct Nvfp4Lanes {
+  static constexpr int kVec = 16 / sizeof(T);                     // values per 16-byte load
+  static constexpr int kLoads = sizeof(T) == 2 ? 2 : 1;           // 16-byte loads per lane
+  static constexpr int kPerLane = kVec * kLoads;                  // 16 or 4
+  static constexpr int kLanes = kNvfp4Block / kPerLane;           // 1 or 4
+  static constexpr int kPerPass = kThreads / kLanes;              // blocks per pass of a thread block
+  static constexpr int kUnrollMany = kManyUnroll / kLoads;        // kManyUnroll 16-byte loads in flight per lane
+};
+
 // Blocks of 16 values enumerated row-major (the scale index is the block index).
 template <typename T, int kUnroll>
 __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restrict__ x,
                                                                 const float* __restrict__ global_scale,
                                                                 uint8_t* __restrict__ x_q,
                                                                 uint8_t* __restrict__ x_sf, int64_t num_blocks) {
-  constexpr int kVec = 16 / sizeof(T);
-  constexpr int kLanes = kNvfp4Block / kVec;  // 2 (2-byte input) or 4 (float32)
-  constexpr int kPerPass = kThreads / kLanes;
+  using L = Nvfp4Lanes<T>;
+  constexpr int kVec = L::kVec, kLoads = L::kLoads, kPerLane = L::kPerLane, kLanes = L::kLanes;
   const int lane = threadIdx.x % kLanes;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * (kPerPass * kUnroll) + threadIdx.x / kLanes;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * (L::kPerPass * kUnroll) + threadIdx.x / kLanes;
 
-  uint4 raw[kUnroll];
+  uint4 raw[kUnroll][kLoads];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t f = first + static_cast<int64_t>(u) * kPerPass;
-    raw[u] = f < num_blocks ? LoadStreaming(x + f * kNvfp4Block + lane * kVec) : make_uint4(0, 0, 0, 0);
+    const int64_t f = first + static_cast<int64_t>(u) * L::kPerPass;
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      raw[u][l] = f < num_blocks ? LoadStreaming(x + f * kNvfp4Block + lane * kPerLane + l * kVec)
+                                 : make_uint4(0, 0, 0, 0);
+    }
   }
   const float gs = __ldg(global_scale);
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t f = first + static_cast<int64_t>(u) * kPerPass;
-    float v[kVec];
-    Unpack<T>(raw[u], v);
+    const int64_t f = first + static_cast<int64_t>(u) * L::kPerPass;
+    float v[kPerLane];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) Unpack<T>(raw[u][l], v + l * kVec);
     float amax = 0.0f;
     int finite = 1;
     if constexpr (sizeof(T) == 2) {
       AmaxOfHalves<T>(raw[u], amax, finite);
     } else {
-      FoldAmax<kVec>(v, amax, finite);
+      FoldAmax<kPerLane>(v, amax, finite);
       ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
     }
     if (f >= num_blocks) continue;
-    uint8_t packed[kVec / 2];
+    uint8_t packed[kPerLane / 2];
     uint32_t scale = kE4m3NaN;
     if (finite) {
       const float ratio = __fdiv_rn(__fdiv_rn(amax, kE2m1Max), gs);
       scale = FloatToE4m3Device(ratio > 0.0f ? fminf(ratio, kE4m3Max) : 0.0f);
       const float denom = __fmul_rn(E4m3ToFloatDevice(scale), gs);
       const float recip = __frcp_rn(denom);
-      uint32_t code[kVec];
+      uint32_t code[kPerLane];
       if (MarksteinBlock(denom, recip, amax)) {  // every block of a usual tensor: straight-line code
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
+        for (int i = 0; i < kPerLane; ++i) {
           code[i] = E2m1CodeOf(MarksteinQuotient(v[i], denom, recip), __float_as_uint(v[i]));
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
+        for (int i = 0; i < kPerLane; ++i) {
           const float q = denom > 0.0f ? __fdiv_rn(v[i], denom) : 0.0f;
           code[i] = E2m1Code(q, __float_as_uint(q));
         }
       }
 #pragma unroll
-      for (int i = 0; i < kVec; i += 2) packed[i / 2] = static_cast<uint8_t>(code[i] | (code[i + 1] << 4));
+      for (int i = 0; i < kPerLane; i += 2) packed[i / 2] = static_cast<uint8_t>(code[i] | (code[i + 1] << 4));
     } else {
 #pragma unroll
-      for (int i = 0; i < kVec / 2; ++i) packed[i] = 0;
+      for (int i = 0; i < kPerLane / 2; ++i) packed[i] = 0;
     }
-    StoreBytes<kVec / 2>(x_q + f * (kNvfp4Block / 2) + lane * (kVec / 2), packed);
+    StoreBytes<kPerLane / 2>(x_q + f * (kNvfp4Block / 2) + lane * (kPerLane / 2), packed);
     if (lane == 0) x_sf[f] = static_cast<uint8_t>(scale);
   }
 }
@@ -527,15 +545,15 @@ cudaError_t LaunchQuantizeNvfp4(cudaStream_t stream, InputType type, const void*
   if (num_blocks == 0) return cudaSuccess;
   auto launch = [&](auto* typed) -> cudaError_t {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    constexpr int64_t kPerPass = kThreads / (kNvfp4Block / (16 / sizeof(T)));
-    const int64_t many = Ceil(num_blocks, kPerPass * kManyUnroll);
+    using L = Nvfp4Lanes<T>;
+    const int64_t many = Ceil(num_blocks, L::kPerPass * L::kUnrollMany);
     if (many >= kMinBlocks) {
       if (many > 0x7FFFFFFF) return cudaErrorInvalidValue;
-      QuantizeNvfp4Kernel<T, kManyUnroll><<<many, kThreads, 0, stream>>>(typed, global_scale, x_q, x_sf,
-                                                                         num_blocks);
+      QuantizeNvfp4Kernel<T, L::kUnrollMany><<<many, kThreads, 0, stream>>>(typed, global_scale, x_q, x_sf,
+                                                                            num_blocks);
     } else {
-      QuantizeNvfp4Kernel<T, 1><<<Ceil(num_blocks, kPerPass), kThreads, 0, stream>>>(typed, global_scale, x_q,
-                                                                                     x_sf, num_blocks);
+      QuantizeNvfp4Kernel<T, 1><<<Ceil(num_blocks, L::kPerPass), kThreads, 0, stream>>>(typed, global_scale, x_q,
+                                                                                        x_sf, num_blocks);
     }
     return cudaGetLastError();
   };
