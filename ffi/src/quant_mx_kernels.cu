@@ -160,8 +160,12 @@ __global__ void __launch_bounds__(kThreads) QuantizeMxfp8Kernel(const T* __restr
     Unpack<T>(raw[u], v);
     float amax = 0.0f;
     int finite = 1;
-    FoldAmax<kVec>(v, amax, finite);
-    ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
+    if constexpr (sizeof(T) == 2) {
+      AmaxOfHalves<T, 1, kLanes>(&raw[u], amax, finite);
+    } else {
+      FoldAmax<kVec>(v, amax, finite);
+      ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
+    }
     if (f >= num_blocks) continue;
     uint8_t bytes[kVec];
     const uint32_t scale = EncodeMxPiece<kVec>(v, amax, finite, bytes);
@@ -329,25 +333,6 @@ __device__ __forceinline__ uint32_t E2m1CodeOf(float q, uint32_t v_bits) {
   return (__float_as_uint(c) & 7u) | ((v_bits >> 28) & 8u);
 }
 
-// The amax and finiteness of an NVFP4 block of 2-byte values from its raw words (one lane holds the whole block):
-// the largest magnitude has the largest sign-cleared bit pattern, finite when that is below infinity's. Two halves
-// per instruction, without a float compare per value.
-template <typename T>
-__device__ __forceinline__ void AmaxOfHalves(const uint4* w, float& amax, int& finite) {
-  constexpr uint32_t kAbs = 0x7FFF7FFFu;
-  const uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(w[0].x & kAbs, w[0].y & kAbs), __vmaxu2(w[0].z & kAbs, w[0].w & kAbs)),
-                              __vmaxu2(__vmaxu2(w[1].x & kAbs, w[1].y & kAbs), __vmaxu2(w[1].z & kAbs, w[1].w & kAbs)));
-  const uint32_t top = max(m & 0xFFFFu, m >> 16);
-  if constexpr (std::is_same_v<T, __half>) {
-    finite = top < 0x7C00u;
-    amax = __half2float(__ushort_as_half(static_cast<unsigned short>(top)));
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>, "2-byte inputs: bf16 or f16");
-    finite = top < 0x7F80u;
-    amax = __uint_as_float(top << 16);
-  }
-}
-
 // How an NVFP4 block of T is spread over lanes: a 2-byte block (32 bytes) is one lane's two 16-byte loads, so the
 // block's scale is worked out once, not by each lane holding part of it; a float32 block is four lanes' loads.
 template <typename T>
@@ -391,7 +376,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeNvfp4Kernel(const T* __restr
     float amax = 0.0f;
     int finite = 1;
     if constexpr (sizeof(T) == 2) {
-      AmaxOfHalves<T>(raw[u], amax, finite);
+      AmaxOfHalves<T, kLoads, kLanes>(raw[u], amax, finite);
     } else {
       FoldAmax<kPerLane>(v, amax, finite);
       ReduceAmaxOverLanes<kLanes / 2>(amax, finite);
