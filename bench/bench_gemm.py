@@ -7,6 +7,9 @@ runs). TFLOP/s = 2 * real rows * N * K / time; every group has exactly `rows` re
 Methods:
   fp8_contiguous   jax_moe_a2a_grouped_gemm_fp8, rows sorted by group [G*rows, K]
   fp8_masked       the same custom call on [G, rows, K] with per-group counts
+  fp8_wgmma        fp8_contiguous with JAX_MOE_A2A_FP8_GEMM_KERNEL=wgmma (the kernel written on wgmma instead of
+                   the CUTLASS one; the two fp8_contiguous rows of one run compare them)
+  fp8_wgmma_masked fp8_masked with the same kernel
   bf16_grouped     jax_moe_a2a_grouped_gemm_bf16, rows sorted by group, weights [G, N, K] (the forward's layout)
   bf16_grouped_kn  the same custom call with weights read as [G, K, N] (the data gradient's layout)
   bf16_ragged_dot  jax.lax.ragged_dot, bfloat16
@@ -27,6 +30,7 @@ Methods:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -41,9 +45,12 @@ from common import plot_if_possible, positive_int, save_plot, time_per_call, wri
 
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
-METHODS = ("fp8_contiguous", "fp8_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_mgpu",
+METHODS = ("fp8_contiguous", "fp8_masked", "fp8_wgmma", "fp8_wgmma_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_mgpu",
            "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt", "fp8_wgrad",
            "fp8_wgrad_bf16")
+# Methods that are another method's call with the FP8 GEMM kernel named (the handler reads the variable at every call).
+KERNEL_ENV = "JAX_MOE_A2A_FP8_GEMM_KERNEL"
+KERNEL_METHODS = {"fp8_wgmma": ("fp8_contiguous", "wgmma"), "fp8_wgmma_masked": ("fp8_masked", "wgmma")}
 SHAPES = ((4096, 7168), (7168, 2048))  # (N, K): gate/up-like and down-like projections of DeepSeek-V3
 MGPU_CONFIGS = (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
                 dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1),
@@ -80,8 +87,26 @@ def _inputs(key, g, rows, n, k, calls, wgrad=False):
   return dict(b=b, b_sf=b_sf, wb=wb, wb_kn=wb_kn, wq=wq, ws=ws, wq_dense=wq_dense, ws_dense=ws_dense), acts
 
 
+@contextlib.contextmanager
+def _kernel_of(method):
+  """Names the FP8 GEMM kernel of `method` (if it is one of KERNEL_METHODS) while the block runs."""
+  if method not in KERNEL_METHODS:
+    yield
+    return
+  before = os.environ.get(KERNEL_ENV)
+  os.environ[KERNEL_ENV] = KERNEL_METHODS[method][1]
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ[KERNEL_ENV]
+    else:
+      os.environ[KERNEL_ENV] = before
+
+
 def _one(method, g, rows, n, k, wts, act, sizes, mgpu_config=None):
   """One call of `method` on one activation set."""
+  method = KERNEL_METHODS.get(method, (method,))[0]
   if method == "fp8_contiguous":
     return grouped_gemm.grouped_gemm_fp8(act["a"], act["a_sf"], wts["b"], wts["b_sf"], sizes, impl="ffi")
   if method == "fp8_masked":
@@ -117,6 +142,11 @@ def _one(method, g, rows, n, k, wts, act, sizes, mgpu_config=None):
 
 
 def _time(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config=None):
+  with _kernel_of(method):
+    return _time_calls(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config)
+
+
+def _time_calls(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config=None):
   fn = jax.jit(lambda wts, acts: [_one(method, g, rows, n, k, wts, a, sizes, mgpu_config) for a in acts])
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*sets[0]))  # compile + first call
@@ -131,9 +161,10 @@ def _time(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config=None)
   return t
 
 
-def _check(g, rows, n, k, wts, act, sizes):
-  """calc_diff of both FP8 layouts against an FP32 GEMM of the dequantized operands, on three groups (the first,
-  middle and last): only those groups' operands are dequantized and copied to the host."""
+def _check(g, rows, n, k, wts, act, sizes, methods):
+  """calc_diff of both FP8 layouts (and of the FP8 kernel methods among `methods`) against an FP32 GEMM of the
+  dequantized operands, on three groups (the first, middle and last): only those groups' operands are dequantized
+  and copied to the host."""
   from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
   picks = jnp.array(sorted({0, g // 2, g - 1}))
   a = act["a"].reshape(g, rows, k)[picks].reshape(-1, k)
@@ -141,8 +172,9 @@ def _check(g, rows, n, k, wts, act, sizes):
   x = np.asarray(quant.dequantize_fp8_blockwise(a, a_sf)).reshape(len(picks), rows, k)
   w = np.asarray(quant.dequantize_fp8_weight(wts["b"][picks], wts["b_sf"][picks]))
   out = {}
-  for method in ("fp8_contiguous", "fp8_masked"):
-    y = np.asarray(_one(method, g, rows, n, k, wts, act, sizes).reshape(g, rows, n)[picks].astype(jnp.float32))
+  for method in ("fp8_contiguous", "fp8_masked", *(m for m in KERNEL_METHODS if m in methods)):
+    with _kernel_of(method):
+      y = np.asarray(_one(method, g, rows, n, k, wts, act, sizes).reshape(g, rows, n)[picks].astype(jnp.float32))
     out[method] = max(calc_diff(y[i], x[i] @ w[i].T) for i in range(len(picks)))
   return out
 
@@ -218,7 +250,7 @@ def _run(args, results, checks, failed):
         sets = [_inputs(jax.random.key(1000 * s + g + rows), g, rows, n, k, args.calls,
                         any(m.startswith("fp8_wgrad") for m in args.methods))
                 for s in range(2)]
-        diffs = _check(g, rows, n, k, sets[0][0], sets[0][1][0], sizes)
+        diffs = _check(g, rows, n, k, sets[0][0], sets[0][1][0], sizes, args.methods)
         checks.append({"n": n, "k": k, "groups": g, "rows_per_group": rows, "calc_diff": diffs})
         for method in args.methods:
           variants = MGPU_CONFIGS if method == "bf16_mgpu" else (None,)

@@ -63,10 +63,11 @@ def test_steady_us_leaves_out_the_first_call_of_the_chain():
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
-def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
+def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path, monkeypatch):
   bench_gemm = _import_bench("bench_gemm")
-  methods = ["fp8_contiguous", "fp8_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_einsum",
-             "fp8_dequant_bf16"]
+  monkeypatch.delenv(bench_gemm.KERNEL_ENV, raising=False)
+  methods = ["fp8_contiguous", "fp8_masked", "fp8_wgmma", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot",
+             "bf16_einsum", "fp8_dequant_bf16"]
   assert bench_gemm.main(["--groups", "3", "--rows", "130", "--shapes", "256x384", "--methods", *methods,
                           "--calls", "1", "--max-runs", "2", "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
@@ -76,9 +77,10 @@ def test_bench_gemm_writes_every_method_its_accuracy_check_and_a_plot(tmp_path):
   assert all(r["tflops"] > 0 and (r["groups"], r["rows_per_group"], r["n"], r["k"]) == (3, 130, 256, 384)
              for r in rec["rows"])
   (check,) = rec["calc_diff_vs_fp32_dequantized"]
-  assert set(check["calc_diff"]) == {"fp8_contiguous", "fp8_masked"}
+  assert set(check["calc_diff"]) == {"fp8_contiguous", "fp8_masked", "fp8_wgmma"}
   assert all(0 <= d < 1e-3 for d in check["calc_diff"].values())
   assert path.with_suffix(".png").exists()
+  assert bench_gemm.KERNEL_ENV not in os.environ  # named only while its method ran
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")

@@ -1,7 +1,8 @@
 """The FP8 grouped GEMM custom call (and its reference) against an FP32 GEMM of the dequantized operands.
 
-On CPU this runs the CPU handler; with JAX_MOE_A2A_TEST_GPU=1 on a GPU, the CUTLASS kernel. Tolerance:
-calc_diff < 1e-3 (issue #5); the measured values are ~1e-6, the bfloat16 rounding of the output.
+On CPU this runs the CPU handler; with JAX_MOE_A2A_TEST_GPU=1 on a GPU, the CUDA kernels: the GPU tests run once
+with each kernel of 128-row tiles (JAX_MOE_A2A_FP8_GEMM_KERNEL: the CUTLASS one and the one written on wgmma).
+Tolerance: calc_diff < 1e-3 (issue #5); the measured values are ~1e-6, the bfloat16 rounding of the output.
 """
 
 import jax
@@ -16,6 +17,15 @@ pytestmark = pytest.mark.skipif(not _ffi.available(), reason="compiled extension
 
 CALC_DIFF = 1e-3
 IMPLS = ("ffi", "reference")
+KERNEL_ENV = "JAX_MOE_A2A_FP8_GEMM_KERNEL"
+KERNELS = ("cutlass", "wgmma")
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+  """The CUDA kernel of calls with more than 64 rows per group on average (read by the handler at every call)."""
+  monkeypatch.setenv(KERNEL_ENV, request.param)
+  return request.param
 
 
 def _operands(rng, rows_shape, num_groups, n, k):
@@ -101,7 +111,7 @@ def test_ffi_equals_reference_closely():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("masked", [False, True])
-def test_gpu_deepseek_shape(masked):
+def test_gpu_deepseek_shape(masked, kernel):
   """A DeepSeek-V3 expert shape on the GPU kernel: 8 groups of ragged rows, N=4096, K=7168."""
   rng = np.random.default_rng(6)
   sizes = np.asarray([1024, 0, 1, 777, 1000, 129, 513, 1024], np.int32)
@@ -111,7 +121,7 @@ def test_gpu_deepseek_shape(masked):
 
 
 @pytest.mark.gpu
-def test_gpu_small_and_large_row_tiles_agree():
+def test_gpu_small_and_large_row_tiles_agree(kernel):
   """Decode-sized calls (at most 64 rows per group on average) take the kernel's 64-row tiles, larger ones its
   128-row tiles: the same groups through both (the row count padded past the threshold) against the oracle and
   each other, with groups of 0, 1, 63, 64, 65 and 200 rows (several tiles of either kind)."""
@@ -130,7 +140,7 @@ def test_gpu_small_and_large_row_tiles_agree():
 
 
 @pytest.mark.gpu
-def test_gpu_back_to_back_in_one_jit():
+def test_gpu_back_to_back_in_one_jit(kernel):
   """Many calls in one program (scratch reuse, CUDA graphs when XLA captures them) give the same result."""
   rng = np.random.default_rng(7)
   a, a_sf, b, b_sf = _operands(rng, (1000,), 4, 512, 1024)
@@ -146,3 +156,29 @@ def test_gpu_back_to_back_in_one_jit():
     np.testing.assert_array_equal(o, outs[0])
   want, _ = _oracle(a, a_sf, b, b_sf, sizes)
   assert calc_diff(outs[0], want) < CALC_DIFF
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_kernels_agree(masked, monkeypatch):
+  """The CUTLASS kernel and the wgmma kernel on the same ragged groups (tiles that end inside a group, a group
+  starting inside another's last tile, empty groups): equal up to float32 summation order and bfloat16 rounding."""
+  rng = np.random.default_rng(9)
+  sizes = jnp.asarray([300, 0, 129, 1, 128, 255, 0, 211], jnp.int32)
+  rows_shape = (8, 300) if masked else (1300,)
+  a, a_sf, b, b_sf = _operands(rng, rows_shape, 8, 1024, 2048)
+  outs = {}
+  for name in KERNELS:
+    monkeypatch.setenv(KERNEL_ENV, name)
+    outs[name] = _check(a, a_sf, b, b_sf, sizes, "ffi")
+  assert calc_diff(outs["cutlass"], outs["wgmma"]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_unknown_kernel_name_is_refused(monkeypatch):
+  rng = np.random.default_rng(10)
+  a, a_sf, b, b_sf = _operands(rng, (512,), 2, 128, 128)
+  monkeypatch.setenv(KERNEL_ENV, "wgmma2")
+  with pytest.raises(Exception, match="JAX_MOE_A2A_FP8_GEMM_KERNEL is 'wgmma2'; expected 'cutlass', 'wgmma' or unset"):
+    jax.block_until_ready(grouped_gemm.grouped_gemm_fp8(a, a_sf, b, b_sf, jnp.asarray([256, 256], jnp.int32),
+                                                        impl="ffi"))

@@ -57,6 +57,29 @@ def test_fp8_gemm_on_many_groups(masked):
     np.testing.assert_array_equal(got[_unowned_rows(sizes, rows)], 0)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp8_wgmma_gemm_on_many_groups(masked, monkeypatch):
+  """The wgmma kernel (grouped_gemm_fp8_wgmma_sm90.cu) takes calls of more than 64 rows per group on average; its
+  own setup scans the group sizes and then the groups' 128-row blocks across chunks of 256 groups."""
+  monkeypatch.setenv("JAX_MOE_A2A_FP8_GEMM_KERNEL", "wgmma")
+  rng = np.random.default_rng(2)
+  rows = 100 if masked else 100 * GROUPS
+  x = jnp.asarray(rng.standard_normal((GROUPS * rows if masked else rows, 256)), jnp.bfloat16)
+  a, a_sf = quant.quantize_fp8_blockwise(x, impl="reference")
+  b, b_sf = quant.quantize_fp8_weight(jnp.asarray(rng.standard_normal((GROUPS, 128, 256)) * 0.05, jnp.float32))
+  if masked:
+    a, a_sf = a.reshape(GROUPS, rows, 256), a_sf.reshape(GROUPS, rows, 2)
+  s = rng.integers(0, 200, GROUPS)
+  s[::7], s[1::11], s[2::31], s[3::13] = 0, 1, 128, 129
+  s[-3:] = 100 * GROUPS  # the running total passes the rows at the last three groups
+  sizes = jnp.asarray(s, jnp.int32)
+  got, want = _both(grouped_gemm.grouped_gemm_fp8, a, a_sf, b, b_sf, sizes)
+  assert calc_diff(got, want) < 1e-3
+  np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+  if not masked:
+    np.testing.assert_array_equal(got[_unowned_rows(sizes, rows)], 0)
+
+
 @pytest.mark.parametrize("mode", ["nk", "kn", "wgrad", "wgrad_bf16"])
 def test_bf16_gemm_on_many_groups(mode):
   rng = np.random.default_rng(2)

@@ -21,11 +21,10 @@
 //   grouped_gemm_sm90_common.cuh's.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <type_traits>
-
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -100,6 +99,8 @@ using SmallTiles = Fp8GemmConfig<Shape<_64, _128, _128>,
                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 // The largest average group (rows per group) that takes SmallTiles.
 constexpr int64_t kSmallTileMaxRows = 64;
+// Names the kernel of calls that do not take SmallTiles (grouped_gemm_kernels.cuh).
+constexpr char kKernelEnv[] = "JAX_MOE_A2A_FP8_GEMM_KERNEL";
 
 // The per-group arrays are the same for both instantiations.
 using StrideA = typename LargeTiles::GemmKernel::InternalStrideA;
@@ -149,33 +150,6 @@ __device__ void SetupGroups(const GroupedGemmFp8Args& args, const GroupArrays& g
 
 constexpr int kZeroRowsPerBlock = 32;
 
-// Zeroes the output rows [block_row * kZeroRowsPerBlock, + kZeroRowsPerBlock) that no group owns, of matrix
-// blockIdx.y (masked) or of the one matrix.
-__device__ void ZeroUnownedRows(const GroupedGemmFp8Args& args, int64_t block_row) {
-  int64_t owned;  // rows [0, owned) of this block's matrix belong to groups
-  if (args.masked) {
-    owned = min(static_cast<int64_t>(max(args.group_sizes[blockIdx.y], 0)), args.rows);
-  } else {
-    using Reduce = cub::BlockReduce<int64_t, kSetupThreads>;
-    __shared__ typename Reduce::TempStorage reduce_storage;
-    __shared__ int64_t total;
-    int64_t sum = 0;
-    for (int64_t grp = threadIdx.x; grp < args.num_groups; grp += kSetupThreads) sum += max(args.group_sizes[grp], 0);
-    sum = Reduce(reduce_storage).Sum(sum);
-    if (threadIdx.x == 0) total = sum;
-    __syncthreads();
-    owned = min(total, args.rows);
-  }
-  const int64_t first = block_row * kZeroRowsPerBlock;
-  const int64_t begin = max(first, owned), end = min(first + kZeroRowsPerBlock, args.rows);
-  if (begin >= end) return;
-  const int64_t vecs_per_row = args.n / 8;  // 8 bfloat16 per 16-byte store
-  uint4* d = reinterpret_cast<uint4*>(args.d) + (static_cast<int64_t>(blockIdx.y) * args.rows) * vecs_per_row;
-  for (int64_t i = begin * vecs_per_row + threadIdx.x; i < end * vecs_per_row; i += kSetupThreads) {
-    d[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
 // One launch before the GEMM. Grid: (ceil(rows / kZeroRowsPerBlock) + 1, masked ? num_groups : 1); block
 // (0, 0) fills the per-group arrays, blocks (x > 0, y) zero rows x - 1 of matrix y.
 __global__ void __launch_bounds__(kSetupThreads) PrepareGroupsKernel(GroupedGemmFp8Args args, GroupArrays g) {
@@ -183,7 +157,8 @@ __global__ void __launch_bounds__(kSetupThreads) PrepareGroupsKernel(GroupedGemm
     if (blockIdx.y == 0) SetupGroups(args, g);
     return;
   }
-  ZeroUnownedRows(args, static_cast<int64_t>(blockIdx.x) - 1);
+  sm90::ZeroUnownedRows<kSetupThreads, kZeroRowsPerBlock>(args.group_sizes, args.num_groups, args.rows, args.n,
+                                                           args.masked, args.d, static_cast<int64_t>(blockIdx.x) - 1);
 }
 
 // Whether a call takes the 64-row tiles: its average group (the static row count over the groups) is small.
@@ -192,15 +167,28 @@ bool TakesSmallTiles(const GroupedGemmFp8Args& args) {
   return average_rows <= kSmallTileMaxRows;
 }
 
+// Reads JAX_MOE_A2A_FP8_GEMM_KERNEL into *wgmma; an unknown name is an error.
+std::string ChosenKernel(bool* wgmma) {
+  const char* name = std::getenv(kKernelEnv);
+  const std::string_view chosen = name == nullptr ? "" : name;
+  *wgmma = chosen == "wgmma";
+  if (*wgmma || chosen.empty() || chosen == "cutlass") return "";
+  return std::string(kKernelEnv) + " is '" + std::string(chosen) + "'; expected 'cutlass', 'wgmma' or unset";
+}
+
 }  // namespace
 
 size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count) {
-  return std::max(sm90::ScratchBytes<LargeTiles::Gemm, GroupArrays>(num_groups, sm_count),
-                  sm90::ScratchBytes<SmallTiles::Gemm, GroupArrays>(num_groups, sm_count));
+  return std::max({sm90::ScratchBytes<LargeTiles::Gemm, GroupArrays>(num_groups, sm_count),
+                   sm90::ScratchBytes<SmallTiles::Gemm, GroupArrays>(num_groups, sm_count),
+                   GroupedGemmFp8WgmmaScratchBytes(num_groups)});
 }
 
 std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args) {
   if (args.rows == 0 || args.num_groups == 0) return "";
+  bool wgmma = false;
+  if (std::string error = ChosenKernel(&wgmma); !error.empty()) return error;
+  if (wgmma && !TakesSmallTiles(args)) return LaunchGroupedGemmFp8Wgmma(stream, sm_count, args);
   const size_t needed = GroupedGemmFp8ScratchBytes(args.num_groups, sm_count);
   if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, needed); !error.empty()) return error;
   int device = 0;

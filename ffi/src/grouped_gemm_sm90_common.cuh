@@ -1,8 +1,8 @@
-// grouped_gemm_sm90_common.cuh -- what the CUTLASS SM90 pointer-array grouped GEMM units share: their problem
-// shapes and operand pointers live in device memory, filled by a setup kernel from group sizes that never reach the
-// host. Here: the per-group arrays and their carving from the caller's scratch buffer, the scan over group sizes the
-// setup kernels run, the kernel's arguments, the scratch size, the cache of the kernel's host-built parameters and
-// the launch.
+// grouped_gemm_sm90_common.cuh -- what the SM90 grouped GEMM units share: their problem shapes and operand pointers
+// live in device memory, filled by a setup kernel from group sizes that never reach the host. Here: the per-group
+// arrays and their carving from the caller's scratch buffer, the scan over group sizes the setup kernels run, the
+// zeroing of output rows no group owns, and for the CUTLASS pointer-array kernels their arguments, scratch size, the
+// cache of their host-built parameters and the launch.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +13,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime_api.h>
 
@@ -132,6 +133,36 @@ __device__ void ScanGroupSizes(const int32_t* group_sizes, int64_t num_groups, V
     __syncthreads();  // everyone has read chunk_base
     if (threadIdx.x == 0) chunk_base += chunk_total;
     __syncthreads();
+  }
+}
+
+// Zeroes the bfloat16 output rows [block_row * kRows, + kRows) that no group owns, of matrix blockIdx.y of
+// d [.., rows, n] in the masked layout, of the one matrix d [rows, n] in the contiguous layout (n % 8 == 0). Every
+// thread of the block must call it.
+template <int kThreads, int kRows>
+__device__ void ZeroUnownedRows(const int32_t* group_sizes, int64_t num_groups, int64_t rows, int64_t n, bool masked,
+                                void* d, int64_t block_row) {
+  int64_t owned;  // rows [0, owned) of this block's matrix belong to groups
+  if (masked) {
+    owned = min(static_cast<int64_t>(max(group_sizes[blockIdx.y], 0)), rows);
+  } else {
+    using Reduce = cub::BlockReduce<int64_t, kThreads>;
+    __shared__ typename Reduce::TempStorage reduce_storage;
+    __shared__ int64_t total;
+    int64_t sum = 0;
+    for (int64_t grp = threadIdx.x; grp < num_groups; grp += kThreads) sum += max(group_sizes[grp], 0);
+    sum = Reduce(reduce_storage).Sum(sum);
+    if (threadIdx.x == 0) total = sum;
+    __syncthreads();
+    owned = min(total, rows);
+  }
+  const int64_t first = block_row * kRows;
+  const int64_t begin = max(first, owned), end = min(first + kRows, rows);
+  if (begin >= end) return;
+  const int64_t vecs_per_row = n / 8;  // 8 bfloat16 per 16-byte store
+  uint4* out = reinterpret_cast<uint4*>(d) + (static_cast<int64_t>(blockIdx.y) * rows) * vecs_per_row;
+  for (int64_t i = begin * vecs_per_row + threadIdx.x; i < end * vecs_per_row; i += kThreads) {
+    out[i] = make_uint4(0, 0, 0, 0);
   }
 }
 

@@ -1,0 +1,336 @@
+// grouped_gemm_fp8_wgmma_sm90.cu -- the FP8 block-scaled grouped GEMM of grouped_gemm_kernels.cuh written directly on
+// Hopper's TMA and wgmma (sm_90a), for groups of more than 64 rows on average.
+//
+// NOTES:
+// - One TMA descriptor per operand over the whole array (a: [rows, K], b: [G*N, K]), so a CTA moving from one
+//   group to the next changes only coordinates. A tile is 128 rows of one group; its first row is the group's
+//   first row plus a multiple of 128, so a group's last tile may read rows of the next group (or the zeros TMA
+//   fills past the array): those rows are computed and never stored.
+// - Persistent CTAs, one per SM, three warpgroups: one producer thread issues the TMA loads of a 6-stage ring of
+//   128x128 A and B blocks (32 KB a stage); two consumer warpgroups each multiply 64 rows of the tile by its 128
+//   columns with wgmma m64n128k32 (four per 128-deep K block), then promote the block's partial sums into float32
+//   accumulators with the scales a_sf[row, kb] * b_sf[g, nb, kb] (the FP32 promotion every 128 values that the
+//   CUTLASS kernel also does). The producer runs ahead into the next tile while the consumers store one.
+// - Tiles are numbered row block by row block, the column blocks of a row block consecutive, so the CTAs working
+//   at one time share a few row blocks of A and one group's B in L2.
+// - A setup kernel turns group_sizes into per-group starts, sizes and the running count of 128-row blocks in the
+//   caller's scratch (no host synchronization) and zeroes the output rows no group owns.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include <cuda.h>
+
+#include "cute/arch/mma_sm90_desc.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cuda_host_adapter.hpp"
+#include "grouped_gemm_kernels.cuh"
+#include "grouped_gemm_sm90_common.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr int kBlockM = 128;  // rows of a tile: 64 per consumer warpgroup
+constexpr int kBlockN = 128;
+constexpr int kBlockK = 128;  // one scale block
+constexpr int kStages = 6;
+constexpr int kConsumers = 2;                       // warpgroups
+constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
+constexpr int kConsumerWarps = 4 * kConsumers;
+constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;  // E4M3: one byte an element
+constexpr int kSetupThreads = 256;
+constexpr int kZeroRowsPerBlock = 32;
+
+struct alignas(1024) SharedStorage {
+  uint8_t a[kStages][kBlockM * kBlockK];  // each block 1024-byte aligned: the 128-byte swizzle's period
+  uint8_t b[kStages][kBlockN * kBlockK];
+  uint64_t full[kStages];   // TMA bytes landed
+  uint64_t empty[kStages];  // every consumer warp done reading
+};
+constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
+
+// The per-group table the setup kernel writes and the GEMM reads.
+struct GroupTable {
+  int64_t* row_start;    // [G] first row of the group in a / d
+  int32_t* row_count;    // [G]
+  int32_t* row_blocks;   // [G] ceil(row_count / 128)
+  int32_t* block_start;  // [G + 1] running sum of row_blocks
+};
+
+size_t CarveTable(char* base, int64_t num_groups, GroupTable* t) {
+  size_t offset = 0;
+  sm90::TakeScratch(base, &offset, num_groups, &t->row_start);
+  sm90::TakeScratch(base, &offset, num_groups, &t->row_count);
+  sm90::TakeScratch(base, &offset, num_groups, &t->row_blocks);
+  sm90::TakeScratch(base, &offset, num_groups + 1, &t->block_start);
+  return offset;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Setup
+// ---------------------------------------------------------------------------------------------------------------
+
+// Grid: (ceil(rows / kZeroRowsPerBlock) + 1, masked ? num_groups : 1). Block (0, 0) fills the table; blocks
+// (x > 0, y) zero the unowned rows of row block x - 1 of matrix y.
+__global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedGemmFp8Args args, GroupTable t) {
+  if (blockIdx.x > 0) {
+    sm90::ZeroUnownedRows<kSetupThreads, kZeroRowsPerBlock>(args.group_sizes, args.num_groups, args.rows, args.n,
+                                                             args.masked, args.d, blockIdx.x - 1);
+    return;
+  }
+  if (blockIdx.y != 0) return;
+  sm90::ScanGroupSizes<kSetupThreads>(args.group_sizes, args.num_groups, [&](int64_t grp, int64_t requested,
+                                                                             int64_t before) {
+    int64_t start, size;
+    if (args.masked) {
+      start = grp * args.rows;
+      size = min(requested, args.rows);
+    } else {
+      start = min(before, args.rows);
+      size = min(requested, args.rows - start);
+    }
+    t.row_start[grp] = start;
+    t.row_count[grp] = static_cast<int32_t>(size);
+    t.row_blocks[grp] = static_cast<int32_t>((size + kBlockM - 1) / kBlockM);
+  });
+  __syncthreads();
+  sm90::ScanGroupSizes<kSetupThreads>(t.row_blocks, args.num_groups, [&](int64_t grp, int64_t blocks,
+                                                                          int64_t before) {
+    t.block_start[grp] = static_cast<int32_t>(before);
+    if (grp == args.num_groups - 1) t.block_start[grp + 1] = static_cast<int32_t>(before + blocks);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The GEMM
+// ---------------------------------------------------------------------------------------------------------------
+
+struct GemmParams {
+  const float* a_sf;
+  const float* b_sf;
+  __nv_bfloat16* d;
+  GroupTable table;
+  int64_t num_groups;
+  int64_t total_rows;  // rows of a (all matrices in the masked layout)
+  int32_t n;
+  int32_t k_blocks;
+};
+
+// Where tile `tile` lies: its group, its first row within the group and its column block. `group` is the group of
+// the previous tile of this CTA (tiles only move forward), or 0.
+struct TileCoord {
+  int64_t group;
+  int32_t row_in_group;
+  int32_t col_block;
+};
+
+__device__ __forceinline__ TileCoord Locate(const GemmParams& p, int64_t tile, int32_t col_blocks, int64_t group) {
+  const int32_t row_block = static_cast<int32_t>(tile / col_blocks);
+  while (__ldg(p.table.block_start + group + 1) <= row_block) ++group;
+  return {group, (row_block - __ldg(p.table.block_start + group)) * kBlockM, static_cast<int32_t>(tile % col_blocks)};
+}
+
+// A shared-memory matrix descriptor of a K-major block written by TMA with the 128-byte swizzle: rows of 128 bytes,
+// 8-row atoms 1024 bytes apart.
+__device__ __forceinline__ uint64_t SmemDescriptor(const void* smem) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.leading_byte_offset_ = 0;  // unused with a swizzled K-major layout
+  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = static_cast<uint8_t>(cute::GMMA::LayoutType::B128);
+  return desc.desc_;
+}
+
+template <size_t... I>
+__device__ __forceinline__ void Wgmma(uint64_t desc_a, uint64_t desc_b, float (&d)[64], bool accumulate,
+                                      std::index_sequence<I...>) {
+  cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>::fma(
+      desc_a, desc_b, d[I]..., accumulate ? cute::GMMA::ScaleOut::One : cute::GMMA::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ void FenceAccumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    WgmmaGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    const GemmParams p) {
+  extern __shared__ uint8_t raw_shared[];
+  auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      Barrier::init(&s.full[i], 1);
+      Barrier::init(&s.empty[i], kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int32_t col_blocks = p.n / kBlockN;
+  const int64_t tiles = static_cast<int64_t>(__ldg(p.table.block_start + p.num_groups)) * col_blocks;
+
+  if (warpgroup == 0) {
+    // Producer: one thread.
+    if (threadIdx.x != 0) return;
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
+    int stage = 0;
+    uint32_t phase = 0;
+    int64_t group = 0;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const TileCoord c = Locate(p, tile, col_blocks, group);
+      group = c.group;
+      const int32_t row = static_cast<int32_t>(__ldg(p.table.row_start + group) + c.row_in_group);
+      const int32_t b_row = static_cast<int32_t>(group * p.n + c.col_block * kBlockN);
+      for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
+        Barrier::wait(&s.empty[stage], phase ^ 1);
+        Barrier::arrive_and_expect_tx(&s.full[stage], kStageBytes);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], 0, s.a[stage], kb * kBlockK, row);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], 0, s.b[stage], kb * kBlockK, b_row);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup 1 takes rows [0, 64) of a tile, warpgroup 2 rows [64, 128).
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
+  const int col_in_tile = (lane % 4) * 2;                        // + 8 j for the j-th 8-column piece
+  int stage = 0;
+  uint32_t phase = 0;
+  int64_t group = 0;
+  float acc[64], part[64];
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoord c = Locate(p, tile, col_blocks, group);
+    group = c.group;
+    const int64_t first_row = __ldg(p.table.row_start + group) + c.row_in_group;
+    const int32_t rows_left = __ldg(p.table.row_count + group) - c.row_in_group;
+    const int64_t r0 = min(first_row + row_in_tile, p.total_rows - 1);
+    const int64_t r1 = min(first_row + row_in_tile + 8, p.total_rows - 1);
+    const float* sa0 = p.a_sf + r0 * p.k_blocks;
+    const float* sa1 = p.a_sf + r1 * p.k_blocks;
+    const float* sb = p.b_sf + (group * col_blocks + c.col_block) * p.k_blocks;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+
+    for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
+      const float scale_b = __ldg(sb + kb);
+      const float scale0 = __ldg(sa0 + kb) * scale_b, scale1 = __ldg(sa1 + kb) * scale_b;
+      Barrier::wait(&s.full[stage], phase);
+      FenceAccumulators(part);
+      cute::warpgroup_arrive();
+      const uint64_t desc_a = SmemDescriptor(s.a[stage] + consumer * 64 * kBlockK);
+      const uint64_t desc_b = SmemDescriptor(s.b[stage]);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 32; ++kk) {
+        // 32 bytes further along K: 2 in the descriptor's 16-byte units.
+        Wgmma(desc_a + 2 * kk, desc_b + 2 * kk, part, kk > 0, std::make_index_sequence<64>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceAccumulators(part);
+      if (lane == 0) Barrier::arrive(&s.empty[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], scale0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], scale0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], scale1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], scale1, acc[4 * j + 3]);
+      }
+    }
+
+    // Store the rows the group owns.
+    __nv_bfloat16* d = p.d + first_row * p.n + c.col_block * kBlockN + col_in_tile;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_in_tile + 8 * half;
+      if (row < rows_left) {
+        __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
+              __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+}
+
+// A 2D TMA descriptor of a row-major [rows, cols] E4M3 array read in 128x128 boxes with the 128-byte swizzle.
+std::string EncodeMap(CUtensorMap* map, const void* base, int64_t rows, int64_t cols) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
+  const cuuint32_t box[2] = {kBlockK, 128};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) return "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(result);
+  return "";
+}
+
+}  // namespace
+
+size_t GroupedGemmFp8WgmmaScratchBytes(int64_t num_groups) {
+  GroupTable table{};
+  return CarveTable(nullptr, num_groups, &table);
+}
+
+std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args) {
+  if (args.rows == 0 || args.num_groups == 0) return "";
+  if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, GroupedGemmFp8WgmmaScratchBytes(args.num_groups));
+      !error.empty()) {
+    return error;
+  }
+  const int64_t total_rows = args.masked ? args.num_groups * args.rows : args.rows;
+  if (total_rows >= (int64_t{1} << 31) || args.num_groups * args.n >= (int64_t{1} << 31)) {
+    return "more than 2^31 rows in a or b";
+  }
+  GroupTable table{};
+  CarveTable(static_cast<char*>(args.scratch), args.num_groups, &table);
+  const dim3 setup_grid(static_cast<unsigned>((args.rows + kZeroRowsPerBlock - 1) / kZeroRowsPerBlock + 1),
+                        args.masked ? static_cast<unsigned>(args.num_groups) : 1u);
+  SetupKernel<<<setup_grid, kSetupThreads, 0, stream>>>(args, table);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+
+  CUtensorMap map_a, map_b;
+  if (std::string error = EncodeMap(&map_a, args.a, total_rows, args.k); !error.empty()) return error;
+  if (std::string error = EncodeMap(&map_b, args.b, args.num_groups * args.n, args.k); !error.empty()) return error;
+  GemmParams p;
+  p.a_sf = args.a_sf;
+  p.b_sf = args.b_sf;
+  p.d = static_cast<__nv_bfloat16*>(args.d);
+  p.table = table;
+  p.num_groups = args.num_groups;
+  p.total_rows = total_rows;
+  p.n = static_cast<int32_t>(args.n);
+  p.k_blocks = static_cast<int32_t>(args.k / kBlockK);
+  if (cudaError_t err =
+          cudaFuncSetAttribute(WgmmaGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+      err != cudaSuccess) {
+    return cudaGetErrorString(err);
+  }
+  WgmmaGemmKernel<<<sm_count, kThreads, kSharedBytes, stream>>>(map_a, map_b, p);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  return "";
+}
+
+}  // namespace jax_moe_a2a
