@@ -25,6 +25,7 @@
 #include "cute/arch/mma_sm90_desc.hpp"
 #include "cute/arch/mma_sm90_gmma.hpp"
 #include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cuda_host_adapter.hpp"
 #include "grouped_gemm_kernels.cuh"
 #include "grouped_gemm_sm90_common.cuh"
@@ -41,6 +42,8 @@ constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;  // E4M3: one byte an element
+constexpr int kProducerRegisters = 40;   // per thread, after the warpgroups re-divide the register file:
+constexpr int kConsumerRegisters = 232;  // 128 * 40 + 256 * 232 <= 65536
 constexpr int kSetupThreads = 256;
 constexpr int kZeroRowsPerBlock = 32;
 
@@ -157,12 +160,63 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
+// A position in the ring of stages, and the parity of the round it is in.
+struct Slot {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+// Waits for the stage of `slot` to land and enqueues this warpgroup's four wgmma of it into `part` (not waited for).
+__device__ __forceinline__ void IssueBlock(SharedStorage& s, const Slot& slot, int consumer, float (&part)[64]) {
+  Barrier::wait(&s.full[slot.stage], slot.phase);
+  FenceAccumulators(part);
+  cute::warpgroup_arrive();
+  const uint64_t desc_a = SmemDescriptor(s.a[slot.stage] + consumer * 64 * kBlockK);
+  const uint64_t desc_b = SmemDescriptor(s.b[slot.stage]);
+#pragma unroll
+  for (int kk = 0; kk < kBlockK / 32; ++kk) {
+    // 32 bytes further along K: 2 in the descriptor's 16-byte units.
+    Wgmma(desc_a + 2 * kk, desc_b + 2 * kk, part, kk > 0, std::make_index_sequence<64>{});
+  }
+  cute::warpgroup_commit_batch();
+}
+
+// acc += part * scale, rows row_in_tile (scale0) and row_in_tile + 8 (scale1) of the wgmma accumulator layout.
+__device__ __forceinline__ void Promote(float (&acc)[64], const float (&part)[64], float scale0, float scale1) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    acc[4 * j + 0] = fmaf(part[4 * j + 0], scale0, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(part[4 * j + 1], scale0, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(part[4 * j + 2], scale1, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(part[4 * j + 3], scale1, acc[4 * j + 3]);
+  }
+}
+
+// The scales of K block kb for this thread's two rows.
+struct RowScales {
+  const float* a0;
+  const float* a1;
+  const float* b;
+  __device__ __forceinline__ void Get(int32_t kb, float* scale0, float* scale1) const {
+    const float scale_b = __ldg(b + kb);
+    *scale0 = __ldg(a0 + kb) * scale_b;
+    *scale1 = __ldg(a1 + kb) * scale_b;
+  }
+};
+
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const GemmParams p) {
   extern __shared__ uint8_t raw_shared[];
   auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -176,14 +230,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int32_t col_blocks = p.n / kBlockN;
   const int64_t tiles = static_cast<int64_t>(__ldg(p.table.block_start + p.num_groups)) * col_blocks;
+  constexpr uint64_t kEvictNormal = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
   if (warpgroup == 0) {
-    // Producer: one thread.
+    // Producer: one thread; the warpgroup gives its registers to the consumers first.
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (threadIdx.x != 0) return;
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
-    int stage = 0;
-    uint32_t phase = 0;
+    Slot slot;
     int64_t group = 0;
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const TileCoord c = Locate(p, tile, col_blocks, group);
@@ -191,26 +246,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int32_t row = static_cast<int32_t>(__ldg(p.table.row_start + group) + c.row_in_group);
       const int32_t b_row = static_cast<int32_t>(group * p.n + c.col_block * kBlockN);
       for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
-        Barrier::wait(&s.empty[stage], phase ^ 1);
-        Barrier::arrive_and_expect_tx(&s.full[stage], kStageBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], 0, s.a[stage], kb * kBlockK, row);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], 0, s.b[stage], kb * kBlockK, b_row);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
+        Barrier::arrive_and_expect_tx(&s.full[slot.stage], kStageBytes);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[slot.stage], kEvictNormal, s.a[slot.stage], kb * kBlockK, row);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[slot.stage], kEvictNormal, s.b[slot.stage], kb * kBlockK,
+                                     b_row);
+        slot.Advance();
       }
     }
     return;
   }
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
 
   // Consumers: warpgroup 1 takes rows [0, 64) of a tile, warpgroup 2 rows [64, 128).
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
   const int col_in_tile = (lane % 4) * 2;                        // + 8 j for the j-th 8-column piece
-  int stage = 0;
-  uint32_t phase = 0;
+  Slot slot;
   int64_t group = 0;
   float acc[64], part[64];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -220,40 +273,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int32_t rows_left = __ldg(p.table.row_count + group) - c.row_in_group;
     const int64_t r0 = min(first_row + row_in_tile, p.total_rows - 1);
     const int64_t r1 = min(first_row + row_in_tile + 8, p.total_rows - 1);
-    const float* sa0 = p.a_sf + r0 * p.k_blocks;
-    const float* sa1 = p.a_sf + r1 * p.k_blocks;
-    const float* sb = p.b_sf + (group * col_blocks + c.col_block) * p.k_blocks;
+    const RowScales scales{p.a_sf + r0 * p.k_blocks, p.a_sf + r1 * p.k_blocks,
+                           p.b_sf + (group * col_blocks + c.col_block) * p.k_blocks};
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-
     for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
-      const float scale_b = __ldg(sb + kb);
-      const float scale0 = __ldg(sa0 + kb) * scale_b, scale1 = __ldg(sa1 + kb) * scale_b;
-      Barrier::wait(&s.full[stage], phase);
-      FenceAccumulators(part);
-      cute::warpgroup_arrive();
-      const uint64_t desc_a = SmemDescriptor(s.a[stage] + consumer * 64 * kBlockK);
-      const uint64_t desc_b = SmemDescriptor(s.b[stage]);
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 32; ++kk) {
-        // 32 bytes further along K: 2 in the descriptor's 16-byte units.
-        Wgmma(desc_a + 2 * kk, desc_b + 2 * kk, part, kk > 0, std::make_index_sequence<64>{});
-      }
-      cute::warpgroup_commit_batch();
+      float scale0, scale1;
+      scales.Get(kb, &scale0, &scale1);
+      IssueBlock(s, slot, consumer, part);
       cute::warpgroup_wait<0>();
       FenceAccumulators(part);
-      if (lane == 0) Barrier::arrive(&s.empty[stage]);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], scale0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], scale0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], scale1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], scale1, acc[4 * j + 3]);
-      }
+      if (lane == 0) Barrier::arrive(&s.empty[slot.stage]);
+      slot.Advance();
+      Promote(acc, part, scale0, scale1);
     }
 
     // Store the rows the group owns.
