@@ -18,17 +18,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <utility>
 
-#include <cuda.h>
+#include <cuda_bf16.h>
 
-#include "cute/arch/mma_sm90_desc.hpp"
-#include "cute/arch/mma_sm90_gmma.hpp"
-#include "cutlass/arch/barrier.h"
-#include "cutlass/arch/reg_reconfig.h"
-#include "cutlass/cuda_host_adapter.hpp"
 #include "grouped_gemm_kernels.cuh"
 #include "grouped_gemm_sm90_common.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace jax_moe_a2a {
 
@@ -42,8 +37,6 @@ constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;  // E4M3: one byte an element
-constexpr int kProducerRegisters = 40;   // per thread, after the warpgroups re-divide the register file:
-constexpr int kConsumerRegisters = 232;  // 128 * 40 + 256 * 232 <= 65536
 constexpr int kSetupThreads = 256;
 constexpr int kZeroRowsPerBlock = 32;
 
@@ -136,60 +129,7 @@ __device__ __forceinline__ TileCoord Locate(const GemmParams& p, int64_t tile, i
   return {group, (row_block - __ldg(p.table.block_start + group)) * kBlockM, static_cast<int32_t>(tile % col_blocks)};
 }
 
-// A shared-memory matrix descriptor of a K-major block written by TMA with the 128-byte swizzle: rows of 128 bytes,
-// 8-row atoms 1024 bytes apart.
-__device__ __forceinline__ uint64_t SmemDescriptor(const void* smem) {
-  cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
-  desc.bitfield.leading_byte_offset_ = 0;  // unused with a swizzled K-major layout
-  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
-  desc.bitfield.base_offset_ = 0;
-  desc.bitfield.layout_type_ = static_cast<uint8_t>(cute::GMMA::LayoutType::B128);
-  return desc.desc_;
-}
-
-template <size_t... I>
-__device__ __forceinline__ void Wgmma(uint64_t desc_a, uint64_t desc_b, float (&d)[64], bool accumulate,
-                                      std::index_sequence<I...>) {
-  cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>::fma(
-      desc_a, desc_b, d[I]..., accumulate ? cute::GMMA::ScaleOut::One : cute::GMMA::ScaleOut::Zero);
-}
-
-__device__ __forceinline__ void FenceAccumulators(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
-}
-
-// A position in the ring of stages, and the parity of the round it is in.
-struct Slot {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void Advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
-using Barrier = cutlass::arch::ClusterTransactionBarrier;
-
-// Waits for the stage of `slot` to land and enqueues this warpgroup's four wgmma of it into `part` (not waited for).
-__device__ __forceinline__ void IssueBlock(SharedStorage& s, const Slot& slot, int consumer, float (&part)[64]) {
-  Barrier::wait(&s.full[slot.stage], slot.phase);
-  FenceAccumulators(part);
-  cute::warpgroup_arrive();
-  const uint64_t desc_a = SmemDescriptor(s.a[slot.stage] + consumer * 64 * kBlockK);
-  const uint64_t desc_b = SmemDescriptor(s.b[slot.stage]);
-#pragma unroll
-  for (int kk = 0; kk < kBlockK / 32; ++kk) {
-    // 32 bytes further along K: 2 in the descriptor's 16-byte units.
-    Wgmma(desc_a + 2 * kk, desc_b + 2 * kk, part, kk > 0, std::make_index_sequence<64>{});
-  }
-  cute::warpgroup_commit_batch();
-}
-
-// acc += part * scale, rows row_in_tile (scale0) and row_in_tile + 8 (scale1) of the wgmma accumulator layout.
+// acc += part * scale: scale0 for the thread's first row, scale1 for its row 8 below (wgmma::AccumulatorLayout).
 __device__ __forceinline__ void Promote(float (&acc)[64], const float (&part)[64], float scale0, float scale1) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -215,6 +155,7 @@ struct RowScales {
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const GemmParams p) {
+  using wgmma::Barrier;
   extern __shared__ uint8_t raw_shared[];
   auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
 
@@ -230,16 +171,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int32_t col_blocks = p.n / kBlockN;
   const int64_t tiles = static_cast<int64_t>(__ldg(p.table.block_start + p.num_groups)) * col_blocks;
-  constexpr uint64_t kEvictNormal = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+  wgmma::Slot<kStages> slot;
+  int64_t group = 0;
 
   if (warpgroup == 0) {
     // Producer: one thread; the warpgroup gives its registers to the consumers first.
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<wgmma::kProducerRegisters>();
     if (threadIdx.x != 0) return;
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
-    Slot slot;
-    int64_t group = 0;
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const TileCoord c = Locate(p, tile, col_blocks, group);
       group = c.group;
@@ -248,23 +188,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
         Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
         Barrier::arrive_and_expect_tx(&s.full[slot.stage], kStageBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[slot.stage], kEvictNormal, s.a[slot.stage], kb * kBlockK, row);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[slot.stage], kEvictNormal, s.b[slot.stage], kb * kBlockK,
-                                     b_row);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[slot.stage], wgmma::kEvictNormal, s.a[slot.stage],
+                                     kb * kBlockK, row);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[slot.stage], wgmma::kEvictNormal, s.b[slot.stage],
+                                     kb * kBlockK, b_row);
         slot.Advance();
       }
     }
     return;
   }
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
 
   // Consumers: warpgroup 1 takes rows [0, 64) of a tile, warpgroup 2 rows [64, 128).
   const int consumer = warpgroup - 1;
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;  // and row_in_tile + 8
-  const int col_in_tile = (lane % 4) * 2;                        // + 8 j for the j-th 8-column piece
-  Slot slot;
-  int64_t group = 0;
+  const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
+  const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
   float acc[64], part[64];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const TileCoord c = Locate(p, tile, col_blocks, group);
@@ -279,17 +217,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
       float scale0, scale1;
-      scales.Get(kb, &scale0, &scale1);
-      IssueBlock(s, slot, consumer, part);
+      scales.Get(kb, &scale0, &scale1);  // loads in flight while the stage lands
+      Barrier::wait(&s.full[slot.stage], slot.phase);
+      wgmma::MmaBlock(s.a[slot.stage] + consumer * 64 * kBlockK, s.b[slot.stage], part);
       cute::warpgroup_wait<0>();
-      FenceAccumulators(part);
-      if (lane == 0) Barrier::arrive(&s.empty[slot.stage]);
+      wgmma::FenceAccumulators(part);
+      if (layout.lane == 0) Barrier::arrive(&s.empty[slot.stage]);
       slot.Advance();
       Promote(acc, part, scale0, scale1);
     }
 
     // Store the rows the group owns.
-    __nv_bfloat16* d = p.d + first_row * p.n + c.col_block * kBlockN + col_in_tile;
+    __nv_bfloat16* d = p.d + first_row * p.n + c.col_block * kBlockN + layout.Col();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = row_in_tile + 8 * half;
@@ -303,20 +242,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-}
-
-// A 2D TMA descriptor of a row-major [rows, cols] E4M3 array read in 128x128 boxes with the 128-byte swizzle.
-std::string EncodeMap(CUtensorMap* map, const void* base, int64_t rows, int64_t cols) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
-  const cuuint32_t box[2] = {kBlockK, 128};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS) return "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(result);
-  return "";
 }
 
 }  // namespace
@@ -344,8 +269,10 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
   CUtensorMap map_a, map_b;
-  if (std::string error = EncodeMap(&map_a, args.a, total_rows, args.k); !error.empty()) return error;
-  if (std::string error = EncodeMap(&map_b, args.b, args.num_groups * args.n, args.k); !error.empty()) return error;
+  if (std::string error = wgmma::EncodeOperandMap(&map_a, args.a, total_rows, args.k); !error.empty()) return error;
+  if (std::string error = wgmma::EncodeOperandMap(&map_b, args.b, args.num_groups * args.n, args.k); !error.empty()) {
+    return error;
+  }
   GemmParams p;
   p.a_sf = args.a_sf;
   p.b_sf = args.b_sf;

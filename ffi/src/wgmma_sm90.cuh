@@ -1,0 +1,120 @@
+// wgmma_sm90.cuh -- the building blocks of the GEMM kernels written directly on Hopper's TMA and wgmma (sm_90a):
+// TMA descriptors, shared-memory matrix descriptors, the E4M3 wgmma of a 64x128 accumulator, and the ring of stages
+// a producer thread fills and the consumer warpgroups drain.
+//
+// NOTES:
+// - Operand blocks are K-major, 128 bytes (128 E4M3 values) along K per row, written by TMA with the 128-byte
+//   swizzle: the canonical layout wgmma reads with a descriptor of 8-row atoms 1024 bytes apart. Each block must
+//   start at a multiple of 1024 bytes (the swizzle's period).
+// - The PTX wrappers (wgmma, mbarrier, TMA copy, register re-division) are CUTLASS's cute/arch and cutlass/arch
+//   headers; only the scheduling around them is ours.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "cute/arch/copy_sm90_desc.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm90_desc.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cuda_host_adapter.hpp"
+
+namespace jax_moe_a2a::wgmma {
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+constexpr uint64_t kEvictNormal = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+// Per-thread registers after a kernel of one producer warpgroup and two consumer warpgroups re-divides the register
+// file: 128 * 40 + 256 * 232 <= 65536.
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+
+// A 2D TMA descriptor of a row-major [rows, cols] array of `type` (elements of elem_bytes) read in boxes of
+// box_rows x box_cols, with the 128-byte swizzle or none. Returns "" or what failed.
+inline std::string EncodeMap(CUtensorMap* map, CUtensorMapDataType type, int elem_bytes, const void* base,
+                             int64_t rows, int64_t cols, uint32_t box_rows, uint32_t box_cols, bool swizzle_128b) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * elem_bytes)};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) return "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(result);
+  return "";
+}
+
+// The descriptor of an E4M3 operand array [rows, cols] read in 128x128 swizzled blocks.
+inline std::string EncodeOperandMap(CUtensorMap* map, const void* base, int64_t rows, int64_t cols) {
+  return EncodeMap(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rows, cols, 128, 128, true);
+}
+
+// A shared-memory matrix descriptor of a K-major block written by TMA with the 128-byte swizzle.
+__device__ __forceinline__ uint64_t SmemDescriptor(const void* smem) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.leading_byte_offset_ = 1;            // unused with a swizzled K-major layout
+  desc.bitfield.stride_byte_offset_ = 1024 >> 4;     // from one 8-row atom to the next
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = static_cast<uint8_t>(cute::GMMA::LayoutType::B128);
+  return desc.desc_;
+}
+
+template <size_t... I>
+__device__ __forceinline__ void Mma64x128x32(uint64_t desc_a, uint64_t desc_b, float (&d)[64], bool accumulate,
+                                             std::index_sequence<I...>) {
+  cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>::fma(
+      desc_a, desc_b, d[I]..., accumulate ? cute::GMMA::ScaleOut::One : cute::GMMA::ScaleOut::Zero);
+}
+
+// Keeps the compiler from moving accesses of d across the asynchronous wgmma that writes it.
+__device__ __forceinline__ void FenceAccumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// d = A·Bᵀ over one 128-deep K block: A 64 rows at smem_a, B 128 rows at smem_b, both swizzled K-major blocks.
+// Enqueued, not waited for: cute::warpgroup_wait<0>() and FenceAccumulators(d) before d is read.
+__device__ __forceinline__ void MmaBlock(const uint8_t* smem_a, const uint8_t* smem_b, float (&d)[64]) {
+  FenceAccumulators(d);
+  cute::warpgroup_arrive();
+  const uint64_t desc_a = SmemDescriptor(smem_a);
+  const uint64_t desc_b = SmemDescriptor(smem_b);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    // 32 bytes further along K: 2 in the descriptor's 16-byte units.
+    Mma64x128x32(desc_a + 2 * kk, desc_b + 2 * kk, d, kk > 0, std::make_index_sequence<64>{});
+  }
+  cute::warpgroup_commit_batch();
+}
+
+// A position in a ring of kStages stages, and the parity of the round it is in.
+template <int kStages>
+struct Slot {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// Where a thread's accumulator values lie in the 64x128 block of its warpgroup: value 4 j + 2 h + c is at row
+// Row() + 8 h, column 8 j + Col() + c (h, c in {0, 1}, j in [0, 16)).
+struct AccumulatorLayout {
+  int warp;  // within the warpgroup
+  int lane;
+  __device__ __forceinline__ int Row() const { return warp * 16 + lane / 4; }
+  __device__ __forceinline__ int Col() const { return (lane % 4) * 2; }
+};
+
+}  // namespace jax_moe_a2a::wgmma
