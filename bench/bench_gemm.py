@@ -22,6 +22,7 @@ Methods:
                    from dy [G*rows, N] and x [G*rows, K] in K-major 128x1 FP8 (quant.quantize_fp8_grouped_kmajor,
                    outside the timed region); the same 2 * rows * N * K FLOPs per group
   fp8_wgrad_bf16   the same with a bfloat16 dW (what bfloat16 parameters take)
+  fp8_wgrad_wgmma, fp8_wgrad_bf16_wgmma   the same two with JAX_MOE_A2A_FP8_GEMM_KERNEL=wgmma
 
   python bench/bench_gemm.py [--groups 32 8] [--rows 128 512 1024 4096] [--methods ...] [--out DIR]
   python bench/bench_gemm.py --plot bench/results/gemm_<date>.json     (plot a result file)
@@ -45,12 +46,13 @@ from common import plot_if_possible, positive_int, save_plot, time_per_call, wri
 
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
-METHODS = ("fp8_contiguous", "fp8_masked", "fp8_wgmma", "fp8_wgmma_masked", "bf16_grouped", "bf16_grouped_kn", "bf16_ragged_dot", "bf16_mgpu",
-           "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt", "fp8_wgrad",
-           "fp8_wgrad_bf16")
+METHODS = ("fp8_contiguous", "fp8_masked", "fp8_wgmma", "fp8_wgmma_masked", "bf16_grouped", "bf16_grouped_kn",
+           "bf16_ragged_dot", "bf16_mgpu", "bf16_einsum", "fp8_dequant_bf16", "fp8_batched_pt", "fp8_dense_pt",
+           "fp8_wgrad", "fp8_wgrad_bf16", "fp8_wgrad_wgmma", "fp8_wgrad_bf16_wgmma")
 # Methods that are another method's call with the FP8 GEMM kernel named (the handler reads the variable at every call).
 KERNEL_ENV = "JAX_MOE_A2A_FP8_GEMM_KERNEL"
-KERNEL_METHODS = {"fp8_wgmma": ("fp8_contiguous", "wgmma"), "fp8_wgmma_masked": ("fp8_masked", "wgmma")}
+KERNEL_METHODS = {"fp8_wgmma": ("fp8_contiguous", "wgmma"), "fp8_wgmma_masked": ("fp8_masked", "wgmma"),
+                  "fp8_wgrad_wgmma": ("fp8_wgrad", "wgmma"), "fp8_wgrad_bf16_wgmma": ("fp8_wgrad_bf16", "wgmma")}
 SHAPES = ((4096, 7168), (7168, 2048))  # (N, K): gate/up-like and down-like projections of DeepSeek-V3
 MGPU_CONFIGS = (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
                 dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1),
@@ -162,7 +164,7 @@ def _time_calls(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config
 
 
 def _check(g, rows, n, k, wts, act, sizes, methods):
-  """calc_diff of both FP8 layouts (and of the FP8 kernel methods among `methods`) against an FP32 GEMM of the
+  """calc_diff of both FP8 layouts (and of fp8_wgmma / fp8_wgmma_masked if among `methods`) against an FP32 GEMM of the
   dequantized operands, on three groups (the first, middle and last): only those groups' operands are dequantized
   and copied to the host."""
   from jax_moe_a2a.testing import calc_diff  # pylint: disable=import-outside-toplevel
@@ -172,7 +174,7 @@ def _check(g, rows, n, k, wts, act, sizes, methods):
   x = np.asarray(quant.dequantize_fp8_blockwise(a, a_sf)).reshape(len(picks), rows, k)
   w = np.asarray(quant.dequantize_fp8_weight(wts["b"][picks], wts["b_sf"][picks]))
   out = {}
-  for method in ("fp8_contiguous", "fp8_masked", *(m for m in KERNEL_METHODS if m in methods)):
+  for method in ("fp8_contiguous", "fp8_masked", *(m for m in ("fp8_wgmma", "fp8_wgmma_masked") if m in methods)):
     with _kernel_of(method):
       y = np.asarray(_one(method, g, rows, n, k, wts, act, sizes).reshape(g, rows, n)[picks].astype(jnp.float32))
     out[method] = max(calc_diff(y[i], x[i] @ w[i].T) for i in range(len(picks)))

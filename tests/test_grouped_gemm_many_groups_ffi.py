@@ -60,7 +60,8 @@ def test_fp8_gemm_on_many_groups(masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fp8_wgmma_gemm_on_many_groups(masked, monkeypatch):
   """The wgmma kernel (grouped_gemm_fp8_wgmma_sm90.cu) takes calls of more than 64 rows per group on average; its
-  own setup scans the group sizes and then the groups' 128-row blocks across chunks of 256 groups."""
+  own setup scans the group sizes and then the groups' 128-row blocks across chunks of 256 groups (the weight
+  gradient's wgmma kernel: test_fp8_wgrad_on_many_groups)."""
   monkeypatch.setenv("JAX_MOE_A2A_FP8_GEMM_KERNEL", "wgmma")
   rng = np.random.default_rng(2)
   rows = 100 if masked else 100 * GROUPS
@@ -103,8 +104,10 @@ def test_bf16_gemm_on_many_groups(mode):
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * max(np.abs(want).max(), 1e-30))
 
 
+@pytest.mark.parametrize("kernel", ["cutlass", "wgmma"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_fp8_wgrad_on_many_groups(out_dtype):
+def test_fp8_wgrad_on_many_groups(out_dtype, kernel, monkeypatch):
+  monkeypatch.setenv("JAX_MOE_A2A_FP8_GEMM_KERNEL", kernel)
   rng = np.random.default_rng(3)
   rows = 2500
   sizes = _sizes(rng, rows)

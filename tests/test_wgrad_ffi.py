@@ -1,6 +1,7 @@
 """The FP8 weight gradient's custom calls against their references: jax_moe_a2a_quantize_fp8_grouped_kmajor bit for bit,
 jax_moe_a2a_grouped_gemm_fp8_wgrad to float32 rounding of the accumulation. On CPU the C++ handlers; on a GPU
-(JAX_MOE_A2A_TEST_GPU=1) the CUDA kernels.
+(JAX_MOE_A2A_TEST_GPU=1) the CUDA kernels, the GEMM's GPU tests once with each kernel (JAX_MOE_A2A_FP8_GEMM_KERNEL:
+CUTLASS's and the one written on wgmma).
 
 GPU tolerance of the GEMM: wgmma accumulates each 128-deep block of FP8 products in reduced precision (about 14
 mantissa bits) before the float32 promotion, so the kernel differs from the reference's float32 sums by up to ~1e-4 of
@@ -198,6 +199,13 @@ def test_gpu_quantize_bit_exact(dtype):
   _assert_quantize_same(_rows(rng, 300, 256, jnp.bfloat16), jnp.asarray([5, 7, 300, 9], jnp.int32))  # clamped
 
 
+@pytest.fixture(params=["cutlass", "wgmma"])
+def kernel(request, monkeypatch):
+  """The CUDA kernel of the weight-gradient GEMM (read by the handler at every call)."""
+  monkeypatch.setenv("JAX_MOE_A2A_FP8_GEMM_KERNEL", request.param)
+  return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,na,nb,sizes", [
     (4500, 7168, 2048, DEEPSEEK_SIZES),
@@ -207,7 +215,7 @@ def test_gpu_quantize_bit_exact(dtype):
     (300, 128, 128, (0, 0, 0)),
 ])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_wgrad_close_to_reference(m, na, nb, sizes, out_dtype):
+def test_gpu_wgrad_close_to_reference(m, na, nb, sizes, out_dtype, kernel):
   rng = np.random.default_rng(m + na)
   ops, s = _operands(rng, m, na, nb, sizes, impl="ffi")
   want = _gemm(ops, s, "reference")
@@ -222,7 +230,7 @@ def test_gpu_wgrad_close_to_reference(m, na, nb, sizes, out_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_wgrad_new_sizes_same_call_site():
+def test_gpu_wgrad_new_sizes_same_call_site(kernel):
   # One compiled call with other group sizes each time (the kernel's cached parameters do not hold the sizes).
   rng = np.random.default_rng(4)
   m = 1000

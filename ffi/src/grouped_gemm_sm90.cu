@@ -21,9 +21,7 @@
 //   grouped_gemm_sm90_common.cuh's.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -99,8 +97,6 @@ using SmallTiles = Fp8GemmConfig<Shape<_64, _128, _128>,
                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 // The largest average group (rows per group) that takes SmallTiles.
 constexpr int64_t kSmallTileMaxRows = 64;
-// Names the kernel of calls that do not take SmallTiles (grouped_gemm_kernels.cuh).
-constexpr char kKernelEnv[] = "JAX_MOE_A2A_FP8_GEMM_KERNEL";
 
 // The per-group arrays are the same for both instantiations.
 using StrideA = typename LargeTiles::GemmKernel::InternalStrideA;
@@ -167,15 +163,6 @@ bool TakesSmallTiles(const GroupedGemmFp8Args& args) {
   return average_rows <= kSmallTileMaxRows;
 }
 
-// Reads JAX_MOE_A2A_FP8_GEMM_KERNEL into *wgmma; an unknown name is an error.
-std::string ChosenKernel(bool* wgmma) {
-  const char* name = std::getenv(kKernelEnv);
-  const std::string_view chosen = name == nullptr ? "" : name;
-  *wgmma = chosen == "wgmma";
-  if (*wgmma || chosen.empty() || chosen == "cutlass") return "";
-  return std::string(kKernelEnv) + " is '" + std::string(chosen) + "'; expected 'cutlass', 'wgmma' or unset";
-}
-
 }  // namespace
 
 size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count) {
@@ -187,7 +174,7 @@ size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count) {
 std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args) {
   if (args.rows == 0 || args.num_groups == 0) return "";
   bool wgmma = false;
-  if (std::string error = ChosenKernel(&wgmma); !error.empty()) return error;
+  if (std::string error = sm90::ChosenFp8Kernels(&wgmma); !error.empty()) return error;
   if (wgmma && !TakesSmallTiles(args)) return LaunchGroupedGemmFp8Wgmma(stream, sm_count, args);
   const size_t needed = GroupedGemmFp8ScratchBytes(args.num_groups, sm_count);
   if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, needed); !error.empty()) return error;

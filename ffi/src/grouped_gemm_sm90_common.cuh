@@ -7,9 +7,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
@@ -38,6 +40,19 @@ void TakeScratch(char* base, size_t* offset, int64_t count, T** ptr) {
 
 inline std::string CutlassError(const char* what, cutlass::Status status) {
   return std::string(what) + " failed: " + cutlass::cutlassGetStatusString(status);
+}
+
+// Whether the FP8 GEMMs take the kernels written on wgmma (grouped_gemm_fp8_wgmma_sm90.cu,
+// grouped_gemm_fp8_wgrad_wgmma_sm90.cu) instead of the CUTLASS ones: JAX_MOE_A2A_FP8_GEMM_KERNEL = "wgmma", or
+// "cutlass" / empty / unset. Read at every call, so that a benchmark can compare both in one process. Returns "" or
+// the error of an unknown name.
+inline std::string ChosenFp8Kernels(bool* wgmma) {
+  constexpr char kEnv[] = "JAX_MOE_A2A_FP8_GEMM_KERNEL";
+  const char* name = std::getenv(kEnv);
+  const std::string_view chosen = name == nullptr ? "" : name;
+  *wgmma = chosen == "wgmma";
+  if (*wgmma || chosen.empty() || chosen == "cutlass") return "";
+  return std::string(kEnv) + " is '" + std::string(chosen) + "'; expected 'cutlass', 'wgmma' or unset";
 }
 
 // The error of a call whose scratch buffer is smaller than it needs ("" when it is large enough).

@@ -33,6 +33,11 @@ struct GroupedGemmFp8WgradArgs {
 size_t GroupedGemmFp8WgradScratchBytesFor(int64_t num_groups, int sm_count);
 
 // Enqueues the GEMM on `stream` (the current device must be the stream's). Returns "" on success, else what failed.
+// The kernel is CUTLASS's or the one written on wgmma, as JAX_MOE_A2A_FP8_GEMM_KERNEL says (grouped_gemm_kernels.cuh).
 std::string LaunchGroupedGemmFp8Wgrad(cudaStream_t stream, int sm_count, const GroupedGemmFp8WgradArgs& args);
+
+// The kernel of grouped_gemm_fp8_wgrad_wgmma_sm90.cu: its scratch bytes and its launch.
+size_t GroupedGemmFp8WgradWgmmaScratchBytes(int64_t num_groups);
+std::string LaunchGroupedGemmFp8WgradWgmma(cudaStream_t stream, int sm_count, const GroupedGemmFp8WgradArgs& args);
 
 }  // namespace jax_moe_a2a

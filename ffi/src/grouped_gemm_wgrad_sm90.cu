@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(GroupedGem
 }  // namespace
 
 size_t GroupedGemmFp8WgradScratchBytesFor(int64_t num_groups, int sm_count) {
-  return std::max(ScratchBytes<F32Out>(num_groups, sm_count), ScratchBytes<Bf16Out>(num_groups, sm_count));
+  return std::max({ScratchBytes<F32Out>(num_groups, sm_count), ScratchBytes<Bf16Out>(num_groups, sm_count),
+                   GroupedGemmFp8WgradWgmmaScratchBytes(num_groups)});
 }
 
 std::string LaunchGroupedGemmFp8Wgrad(cudaStream_t stream, int sm_count, const GroupedGemmFp8WgradArgs& args) {
@@ -189,6 +190,9 @@ std::string LaunchGroupedGemmFp8Wgrad(cudaStream_t stream, int sm_count, const G
   }
   const size_t needed = GroupedGemmFp8WgradScratchBytesFor(args.num_groups, sm_count);
   if (std::string error = sm90::ScratchShortfall(args.scratch_bytes, needed); !error.empty()) return error;
+  bool wgmma = false;
+  if (std::string error = sm90::ChosenFp8Kernels(&wgmma); !error.empty()) return error;
+  if (wgmma) return LaunchGroupedGemmFp8WgradWgmma(stream, sm_count, args);
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
 

@@ -1,0 +1,239 @@
+// grouped_gemm_fp8_wgrad_wgmma_sm90.cu -- the FP8 weight gradient of grouped_gemm_wgrad_kernels.cuh written directly
+// on Hopper's TMA and wgmma (sm_90a): d[g] = A_g · B_gᵀ over each group's 128-token blocks.
+//
+// NOTES:
+// - Every group has the same (na / 128) x (nb / 128) output tiles, so the tile count is known on the host; a
+//   group's K blocks (its padded token columns) come from a table a setup kernel writes. A group without rows runs
+//   no K block and stores zeros, so no separate zero fill is needed.
+// - One TMA descriptor per operand over the whole array (a_t [na, p], b_t [nb, p]) and one per scale array
+//   (a_sf_t [p/128, na], b_sf_t [p/128, nb], MN-major: a K block's 128 scales of a tile are one 512-byte row
+//   piece): a stage holds the two 128x128 E4M3 blocks and their two scale vectors.
+// - Both operands are scaled per row per 128 tokens, so every accumulator value gets its own product of a row scale
+//   and a column scale at each promotion (64 multiplies and 64 fused multiply-adds a thread a K block, twice the
+//   forward GEMM's share); the two consumer warpgroups promote while the other's wgmma runs.
+// - Persistent CTAs, one producer thread and two consumer warpgroups as in grouped_gemm_fp8_wgmma_sm90.cu; tiles
+//   are numbered group by group, row block by row block, so the CTAs working at one time share a group's operands.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include <cuda_bf16.h>
+
+#include "grouped_gemm_sm90_common.cuh"
+#include "grouped_gemm_wgrad_kernels.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace jax_moe_a2a {
+
+namespace {
+
+constexpr int kBlock = 128;  // rows and columns of a tile, tokens of a K block
+constexpr int kStages = 5;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kConsumerWarps = 4 * kConsumers;
+constexpr uint32_t kStageBytes = 2 * kBlock * kBlock + 2 * kBlock * sizeof(float);
+constexpr int kSetupThreads = 256;
+
+struct alignas(1024) SharedStorage {
+  uint8_t a[kStages][kBlock * kBlock];  // 1024-byte aligned blocks: the 128-byte swizzle's period
+  uint8_t b[kStages][kBlock * kBlock];
+  float a_scale[kStages][kBlock];
+  float b_scale[kStages][kBlock];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;
+
+// The per-group table: first 128-token block and number of blocks.
+struct KTable {
+  int32_t* k_blocks;  // [G] ceil(size_g / 128) of the clamped sizes
+  int32_t* k_start;   // [G] running sum of k_blocks
+};
+
+size_t CarveTable(char* base, int64_t num_groups, KTable* t) {
+  size_t offset = 0;
+  sm90::TakeScratch(base, &offset, num_groups, &t->k_blocks);
+  sm90::TakeScratch(base, &offset, num_groups, &t->k_start);
+  return offset;
+}
+
+// One block: sizes clamped against the quantizer's rows p - 128 G (starts saturating there), then their 128-token
+// block counts and the counts' running sum.
+__global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedGemmFp8WgradArgs args, KTable t) {
+  const int64_t rows = args.p - kBlock * args.num_groups;
+  sm90::ScanGroupSizes<kSetupThreads>(args.group_sizes, args.num_groups, [&](int64_t grp, int64_t requested,
+                                                                             int64_t before) {
+    const int64_t start = min(before, rows);
+    const int64_t size = min(requested, rows - start);
+    t.k_blocks[grp] = static_cast<int32_t>((size + kBlock - 1) / kBlock);
+  });
+  __syncthreads();
+  sm90::ScanGroupSizes<kSetupThreads>(t.k_blocks, args.num_groups, [&](int64_t grp, int64_t, int64_t before) {
+    t.k_start[grp] = static_cast<int32_t>(before);
+  });
+}
+
+struct WgradParams {
+  KTable table;
+  void* d;
+  int32_t na;
+  int32_t nb;
+  int64_t tiles;  // num_groups * (na / 128) * (nb / 128)
+};
+
+template <typename OutT>
+__device__ __forceinline__ void StorePair(OutT* out, float x, float y);
+
+template <>
+__device__ __forceinline__ void StorePair<float>(float* out, float x, float y) {
+  *reinterpret_cast<float2*>(out) = make_float2(x, y);
+}
+
+template <>
+__device__ __forceinline__ void StorePair<__nv_bfloat16>(__nv_bfloat16* out, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
+}
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    WgmmaWgradKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                     const __grid_constant__ CUtensorMap map_a_scale, const __grid_constant__ CUtensorMap map_b_scale,
+                     const WgradParams p) {
+  using wgmma::Barrier;
+  extern __shared__ uint8_t raw_shared[];
+  auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      Barrier::init(&s.full[i], 1);
+      Barrier::init(&s.empty[i], kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int32_t row_blocks = p.na / kBlock, col_blocks = p.nb / kBlock;
+  const int64_t tiles_per_group = static_cast<int64_t>(row_blocks) * col_blocks;
+  wgmma::Slot<kStages> slot;
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<wgmma::kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
+    for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const int64_t group = tile / tiles_per_group;
+      const int32_t in_group = static_cast<int32_t>(tile % tiles_per_group);
+      const int32_t row = (in_group / col_blocks) * kBlock, col = (in_group % col_blocks) * kBlock;
+      const int32_t k0 = __ldg(p.table.k_start + group), k_blocks = __ldg(p.table.k_blocks + group);
+      for (int32_t kb = k0; kb < k0 + k_blocks; ++kb) {
+        Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
+        Barrier::arrive_and_expect_tx(&s.full[slot.stage], kStageBytes);
+        uint64_t* full = &s.full[slot.stage];
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage], kb * kBlock, row);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlock, col);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a_scale, full, wgmma::kEvictNormal, s.a_scale[slot.stage], row, kb);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b_scale, full, wgmma::kEvictNormal, s.b_scale[slot.stage], col, kb);
+        slot.Advance();
+      }
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
+
+  const int consumer = warpgroup - 1;
+  const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
+  const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
+  float acc[64], part[64];
+  for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int64_t group = tile / tiles_per_group;
+    const int32_t in_group = static_cast<int32_t>(tile % tiles_per_group);
+    const int32_t row = (in_group / col_blocks) * kBlock, col = (in_group % col_blocks) * kBlock;
+    const int32_t k_blocks = __ldg(p.table.k_blocks + group);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int32_t kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.full[slot.stage], slot.phase);
+      wgmma::MmaBlock(s.a[slot.stage] + consumer * 64 * kBlock, s.b[slot.stage], part);
+      const float scale0 = s.a_scale[slot.stage][row_in_tile], scale1 = s.a_scale[slot.stage][row_in_tile + 8];
+      float2 col_scale[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        col_scale[j] = *reinterpret_cast<const float2*>(&s.b_scale[slot.stage][8 * j + layout.Col()]);
+      }
+      cute::warpgroup_wait<0>();
+      wgmma::FenceAccumulators(part);
+      if (layout.lane == 0) Barrier::arrive(&s.empty[slot.stage]);
+      slot.Advance();
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], scale0 * col_scale[j].x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], scale0 * col_scale[j].y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], scale1 * col_scale[j].x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], scale1 * col_scale[j].y, acc[4 * j + 3]);
+      }
+    }
+
+    OutT* d = static_cast<OutT*>(p.d) + (group * p.na + row + row_in_tile) * p.nb + col + layout.Col();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      OutT* out = d + static_cast<int64_t>(8 * half) * p.nb;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) StorePair(out + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace
+
+size_t GroupedGemmFp8WgradWgmmaScratchBytes(int64_t num_groups) {
+  KTable table{};
+  return CarveTable(nullptr, num_groups, &table);
+}
+
+std::string LaunchGroupedGemmFp8WgradWgmma(cudaStream_t stream, int sm_count, const GroupedGemmFp8WgradArgs& args) {
+  if (args.num_groups == 0) return "";
+  if (std::string error =
+          sm90::ScratchShortfall(args.scratch_bytes, GroupedGemmFp8WgradWgmmaScratchBytes(args.num_groups));
+      !error.empty()) {
+    return error;
+  }
+  KTable table{};
+  CarveTable(static_cast<char*>(args.scratch), args.num_groups, &table);
+  SetupKernel<<<1, kSetupThreads, 0, stream>>>(args, table);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+
+  const int64_t k_blocks = args.p / kBlock;
+  CUtensorMap map_a, map_b, map_a_scale, map_b_scale;
+  if (std::string e = wgmma::EncodeOperandMap(&map_a, args.a_t, args.na, args.p); !e.empty()) return e;
+  if (std::string e = wgmma::EncodeOperandMap(&map_b, args.b_t, args.nb, args.p); !e.empty()) return e;
+  if (std::string e = wgmma::EncodeMap(&map_a_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, args.a_sf_t, k_blocks, args.na,
+                                       1, kBlock, false);
+      !e.empty()) {
+    return e;
+  }
+  if (std::string e = wgmma::EncodeMap(&map_b_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, args.b_sf_t, k_blocks, args.nb,
+                                       1, kBlock, false);
+      !e.empty()) {
+    return e;
+  }
+  WgradParams p;
+  p.table = table;
+  p.d = args.d;
+  p.na = static_cast<int32_t>(args.na);
+  p.nb = static_cast<int32_t>(args.nb);
+  p.tiles = args.num_groups * (args.na / kBlock) * (args.nb / kBlock);
+  auto* kernel = args.d_bf16 ? WgmmaWgradKernel<__nv_bfloat16> : WgmmaWgradKernel<float>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+      err != cudaSuccess) {
+    return cudaGetErrorString(err);
+  }
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(sm_count, p.tiles)), kThreads, kSharedBytes, stream>>>(
+      map_a, map_b, map_a_scale, map_b_scale, p);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  return "";
+}
+
+}  // namespace jax_moe_a2a
