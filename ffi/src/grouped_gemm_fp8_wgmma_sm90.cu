@@ -21,6 +21,7 @@
 
 #include <cuda_bf16.h>
 
+
 #include "grouped_gemm_kernels.cuh"
 #include "grouped_gemm_sm90_common.cuh"
 #include "wgmma_sm90.cuh"
@@ -37,6 +38,7 @@ constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;  // E4M3: one byte an element
+constexpr int kHalfA = kBlockM / 2 * kBlockK;                    // bytes of 64 rows of an A block
 constexpr int kSetupThreads = 256;
 constexpr int kZeroRowsPerBlock = 32;
 
@@ -115,18 +117,11 @@ struct GemmParams {
   int32_t k_blocks;
 };
 
-// Where tile `tile` lies: its group, its first row within the group and its column block. `group` is the group of
-// the previous tile of this CTA (tiles only move forward), or 0.
-struct TileCoord {
-  int64_t group;
-  int32_t row_in_group;
-  int32_t col_block;
-};
-
-__device__ __forceinline__ TileCoord Locate(const GemmParams& p, int64_t tile, int32_t col_blocks, int64_t group) {
-  const int32_t row_block = static_cast<int32_t>(tile / col_blocks);
+// The group of row block `row_block` and the block's first row within it. `group` is the group of the previous
+// tile of this CTA (tiles only move forward), or 0.
+__device__ __forceinline__ int64_t GroupOf(const GemmParams& p, int32_t row_block, int64_t group) {
   while (__ldg(p.table.block_start + group + 1) <= row_block) ++group;
-  return {group, (row_block - __ldg(p.table.block_start + group)) * kBlockM, static_cast<int32_t>(tile % col_blocks)};
+  return group;
 }
 
 // acc += part * scale: scale0 for the thread's first row, scale1 for its row 8 below (wgmma::AccumulatorLayout).
@@ -140,107 +135,129 @@ __device__ __forceinline__ void Promote(float (&acc)[64], const float (&part)[64
   }
 }
 
-// The scales of K block kb for this thread's two rows.
-struct RowScales {
-  const float* a0;
-  const float* a1;
-  const float* b;
-  __device__ __forceinline__ void Get(int32_t kb, float* scale0, float* scale1) const {
-    const float scale_b = __ldg(b + kb);
-    *scale0 = __ldg(a0 + kb) * scale_b;
-    *scale1 = __ldg(a1 + kb) * scale_b;
-  }
-};
-
+// kPair: a cluster of two CTAs takes the two column blocks 2c and 2c + 1 of one row block; each loads half of the
+// shared 128-row A block and multicasts it to both, so A is read from L2 once per pair (24 KB a CTA a K block
+// instead of 32). A stage of either CTA is refilled only when the consumers of both have released it: every
+// consumer warp arrives on the empty barrier of both CTAs.
+template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const GemmParams p) {
   using wgmma::Barrier;
+  constexpr int kCtas = kPair ? 2 : 1;
   extern __shared__ uint8_t raw_shared[];
   auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
 
   const int warpgroup = threadIdx.x / 128;
+  const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       Barrier::init(&s.full[i], 1);
-      Barrier::init(&s.empty[i], kConsumerWarps);
+      Barrier::init(&s.empty[i], kConsumerWarps * kCtas);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPair) {
+    cute::cluster_sync();  // the peer's barriers are initialized before anyone signals them
+  } else {
+    __syncthreads();
+  }
 
-  const int32_t col_blocks = p.n / kBlockN;
-  const int64_t tiles = static_cast<int64_t>(__ldg(p.table.block_start + p.num_groups)) * col_blocks;
+  // Units of work: one tile, or (kPair) the two tiles of a cluster.
+  const int32_t col_units = p.n / kBlockN / kCtas;
+  const int64_t units = static_cast<int64_t>(__ldg(p.table.block_start + p.num_groups)) * col_units;
+  const int64_t first_unit = blockIdx.x / kCtas, unit_stride = gridDim.x / kCtas;
   wgmma::Slot<kStages> slot;
   int64_t group = 0;
 
   if (warpgroup == 0) {
     // Producer: one thread; the warpgroup gives its registers to the consumers first.
     cutlass::arch::warpgroup_reg_dealloc<wgmma::kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const TileCoord c = Locate(p, tile, col_blocks, group);
-      group = c.group;
-      const int32_t row = static_cast<int32_t>(__ldg(p.table.row_start + group) + c.row_in_group);
-      const int32_t b_row = static_cast<int32_t>(group * p.n + c.col_block * kBlockN);
-      for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
-        Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
-        Barrier::arrive_and_expect_tx(&s.full[slot.stage], kStageBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[slot.stage], wgmma::kEvictNormal, s.a[slot.stage],
-                                     kb * kBlockK, row);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[slot.stage], wgmma::kEvictNormal, s.b[slot.stage],
-                                     kb * kBlockK, b_row);
-        slot.Advance();
-      }
-    }
-    return;
-  }
-  cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
-
-  // Consumers: warpgroup 1 takes rows [0, 64) of a tile, warpgroup 2 rows [64, 128).
-  const int consumer = warpgroup - 1;
-  const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
-  const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
-  float acc[64], part[64];
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const TileCoord c = Locate(p, tile, col_blocks, group);
-    group = c.group;
-    const int64_t first_row = __ldg(p.table.row_start + group) + c.row_in_group;
-    const int32_t rows_left = __ldg(p.table.row_count + group) - c.row_in_group;
-    const int64_t r0 = min(first_row + row_in_tile, p.total_rows - 1);
-    const int64_t r1 = min(first_row + row_in_tile + 8, p.total_rows - 1);
-    const RowScales scales{p.a_sf + r0 * p.k_blocks, p.a_sf + r1 * p.k_blocks,
-                           p.b_sf + (group * col_blocks + c.col_block) * p.k_blocks};
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
-      float scale0, scale1;
-      scales.Get(kb, &scale0, &scale1);  // loads in flight while the stage lands
-      Barrier::wait(&s.full[slot.stage], slot.phase);
-      wgmma::MmaBlock(s.a[slot.stage] + consumer * 64 * kBlockK, s.b[slot.stage], part);
-      cute::warpgroup_wait<0>();
-      wgmma::FenceAccumulators(part);
-      if (layout.lane == 0) Barrier::arrive(&s.empty[slot.stage]);
-      slot.Advance();
-      Promote(acc, part, scale0, scale1);
-    }
-
-    // Store the rows the group owns.
-    __nv_bfloat16* d = p.d + first_row * p.n + c.col_block * kBlockN + layout.Col();
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row_in_tile + 8 * half;
-      if (row < rows_left) {
-        __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
-              __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
+      for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
+        const int32_t row_block = static_cast<int32_t>(unit / col_units);
+        const int32_t col_block = static_cast<int32_t>(unit % col_units) * kCtas + static_cast<int32_t>(rank);
+        group = GroupOf(p, row_block, group);
+        const int32_t row = static_cast<int32_t>(__ldg(p.table.row_start + group) +
+                                                 (row_block - __ldg(p.table.block_start + group)) * kBlockM);
+        const int32_t b_row = static_cast<int32_t>(group * p.n + col_block * kBlockN);
+        for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
+          Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
+          uint64_t* full = &s.full[slot.stage];
+          Barrier::arrive_and_expect_tx(full, kStageBytes);
+          // A in two 64-row halves (map_a's box): each CTA of a pair loads one for both.
+          if constexpr (kPair) {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&map_a, full, 0b11, wgmma::kEvictNormal,
+                                                   s.a[slot.stage] + rank * kHalfA, kb * kBlockK,
+                                                   row + static_cast<int32_t>(rank) * (kBlockM / 2));
+          } else {
+            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage], kb * kBlockK, row);
+            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage] + kHalfA, kb * kBlockK,
+                                         row + kBlockM / 2);
+          }
+          cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlockK, b_row);
+          slot.Advance();
         }
       }
     }
+    __syncwarp();
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
+    // Consumers: warpgroup 1 takes rows [0, 64) of a tile, warpgroup 2 rows [64, 128).
+    const int consumer = warpgroup - 1;
+    const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
+    const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
+    float acc[64], part[64];
+    for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
+      const int32_t row_block = static_cast<int32_t>(unit / col_units);
+      const int32_t col_block = static_cast<int32_t>(unit % col_units) * kCtas + static_cast<int32_t>(rank);
+      group = GroupOf(p, row_block, group);
+      const int32_t row_in_group = (row_block - __ldg(p.table.block_start + group)) * kBlockM;
+      const int64_t first_row = __ldg(p.table.row_start + group) + row_in_group;
+      const int32_t rows_left = __ldg(p.table.row_count + group) - row_in_group;
+      const float* sa0 = p.a_sf + min(first_row + row_in_tile, p.total_rows - 1) * p.k_blocks;
+      const float* sa1 = p.a_sf + min(first_row + row_in_tile + 8, p.total_rows - 1) * p.k_blocks;
+      const float* sb = p.b_sf + (group * (p.n / kBlockN) + col_block) * p.k_blocks;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      // The scales of the next K block are loaded while this one is multiplied.
+      float next_a0 = __ldg(sa0), next_a1 = __ldg(sa1), next_b = __ldg(sb);
+      for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
+        const float a0 = next_a0, a1 = next_a1, b = next_b;
+        if (kb + 1 < p.k_blocks) {
+          next_a0 = __ldg(sa0 + kb + 1);
+          next_a1 = __ldg(sa1 + kb + 1);
+          next_b = __ldg(sb + kb + 1);
+        }
+        Barrier::wait(&s.full[slot.stage], slot.phase);
+        wgmma::MmaBlock(s.a[slot.stage] + consumer * kHalfA, s.b[slot.stage], part);
+        cute::warpgroup_wait<0>();
+        wgmma::FenceAccumulators(part);
+        if (layout.lane == 0) wgmma::Release<kCtas>(&s.empty[slot.stage]);
+        slot.Advance();
+        Promote(acc, part, a0 * b, a1 * b);
+      }
+
+      // Store the rows the group owns.
+      __nv_bfloat16* d = p.d + first_row * p.n + col_block * kBlockN + layout.Col();
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row_in_tile + 8 * half;
+        if (row < rows_left) {
+          __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kPair) {
+    cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers
   }
 }
 
@@ -269,10 +286,12 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
 
   CUtensorMap map_a, map_b;
-  if (std::string error = wgmma::EncodeOperandMap(&map_a, args.a, total_rows, args.k); !error.empty()) return error;
-  if (std::string error = wgmma::EncodeOperandMap(&map_b, args.b, args.num_groups * args.n, args.k); !error.empty()) {
-    return error;
+  if (std::string e = wgmma::EncodeMap(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.a, total_rows, args.k,
+                                       kBlockM / 2, kBlockK, true);
+      !e.empty()) {
+    return e;
   }
+  if (std::string e = wgmma::EncodeOperandMap(&map_b, args.b, args.num_groups * args.n, args.k); !e.empty()) return e;
   GemmParams p;
   p.a_sf = args.a_sf;
   p.b_sf = args.b_sf;
@@ -282,12 +301,16 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
   p.total_rows = total_rows;
   p.n = static_cast<int32_t>(args.n);
   p.k_blocks = static_cast<int32_t>(args.k / kBlockK);
-  if (cudaError_t err =
-          cudaFuncSetAttribute(WgmmaGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+
+  // Pairs where the column blocks pair up, single CTAs otherwise.
+  const bool pair = (args.n / kBlockN) % 2 == 0;
+  auto* kernel = pair ? WgmmaGemmKernel<true> : WgmmaGemmKernel<false>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
       err != cudaSuccess) {
     return cudaGetErrorString(err);
   }
-  WgmmaGemmKernel<<<sm_count, kThreads, kSharedBytes, stream>>>(map_a, map_b, p);
+  if (pair) return wgmma::LaunchPairs(kernel, kThreads, kSharedBytes, sm_count, stream, map_a, map_b, p);
+  kernel<<<sm_count, kThreads, kSharedBytes, stream>>>(map_a, map_b, p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";
 }

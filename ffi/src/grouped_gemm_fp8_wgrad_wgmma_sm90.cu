@@ -11,8 +11,9 @@
 // - Both operands are scaled per row per 128 tokens, so every accumulator value gets its own product of a row scale
 //   and a column scale at each promotion (64 multiplies and 64 fused multiply-adds a thread a K block, twice the
 //   forward GEMM's share); the two consumer warpgroups promote while the other's wgmma runs.
-// - Persistent CTAs, one producer thread and two consumer warpgroups as in grouped_gemm_fp8_wgmma_sm90.cu; tiles
-//   are numbered group by group, row block by row block, so the CTAs working at one time share a group's operands.
+// - Persistent CTAs, one producer thread and two consumer warpgroups, and pairs of CTAs sharing A by multicast, as
+//   in grouped_gemm_fp8_wgmma_sm90.cu; tiles are numbered group by group, row block by row block, so the CTAs
+//   working at one time share a group's operands.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -33,6 +34,7 @@ constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = 2 * kBlock * kBlock + 2 * kBlock * sizeof(float);
+constexpr int kHalfA = kBlock / 2 * kBlock;  // bytes of 64 rows of an A block
 constexpr int kSetupThreads = 256;
 
 struct alignas(1024) SharedStorage {
@@ -77,9 +79,9 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedGemmFp8Wgrad
 struct WgradParams {
   KTable table;
   void* d;
+  int64_t num_groups;
   int32_t na;
   int32_t nb;
-  int64_t tiles;  // num_groups * (na / 128) * (nb / 128)
 };
 
 template <typename OutT>
@@ -95,95 +97,126 @@ __device__ __forceinline__ void StorePair<__nv_bfloat16>(__nv_bfloat16* out, flo
   *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
 }
 
-template <typename OutT>
+// kPair: a cluster of two CTAs takes the two column blocks 2c and 2c + 1 of one row block of a group; each loads
+// half of the shared A block and multicasts it to both (as in grouped_gemm_fp8_wgmma_sm90.cu).
+template <typename OutT, bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaWgradKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_a_scale, const __grid_constant__ CUtensorMap map_b_scale,
                      const WgradParams p) {
   using wgmma::Barrier;
+  constexpr int kCtas = kPair ? 2 : 1;
   extern __shared__ uint8_t raw_shared[];
   auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
 
   const int warpgroup = threadIdx.x / 128;
+  const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       Barrier::init(&s.full[i], 1);
-      Barrier::init(&s.empty[i], kConsumerWarps);
+      Barrier::init(&s.empty[i], kConsumerWarps * kCtas);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPair) {
+    cute::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
-  const int32_t row_blocks = p.na / kBlock, col_blocks = p.nb / kBlock;
-  const int64_t tiles_per_group = static_cast<int64_t>(row_blocks) * col_blocks;
+  // Units of work: one tile, or (kPair) the two tiles of a cluster; numbered group by group, row block by row block.
+  const int32_t col_units = p.nb / kBlock / kCtas;
+  const int64_t units_per_group = static_cast<int64_t>(p.na / kBlock) * col_units;
+  const int64_t units = p.num_groups * units_per_group;
+  const int64_t first_unit = blockIdx.x / kCtas, unit_stride = gridDim.x / kCtas;
   wgmma::Slot<kStages> slot;
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<wgmma::kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
-    for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-      const int64_t group = tile / tiles_per_group;
-      const int32_t in_group = static_cast<int32_t>(tile % tiles_per_group);
-      const int32_t row = (in_group / col_blocks) * kBlock, col = (in_group % col_blocks) * kBlock;
-      const int32_t k0 = __ldg(p.table.k_start + group), k_blocks = __ldg(p.table.k_blocks + group);
-      for (int32_t kb = k0; kb < k0 + k_blocks; ++kb) {
-        Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
-        Barrier::arrive_and_expect_tx(&s.full[slot.stage], kStageBytes);
-        uint64_t* full = &s.full[slot.stage];
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage], kb * kBlock, row);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlock, col);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a_scale, full, wgmma::kEvictNormal, s.a_scale[slot.stage], row, kb);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b_scale, full, wgmma::kEvictNormal, s.b_scale[slot.stage], col, kb);
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
+      for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
+        const int64_t group = unit / units_per_group;
+        const int32_t in_group = static_cast<int32_t>(unit % units_per_group);
+        const int32_t row = (in_group / col_units) * kBlock;
+        const int32_t col = ((in_group % col_units) * kCtas + static_cast<int32_t>(rank)) * kBlock;
+        const int32_t k0 = __ldg(p.table.k_start + group), k_blocks = __ldg(p.table.k_blocks + group);
+        for (int32_t kb = k0; kb < k0 + k_blocks; ++kb) {
+          Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
+          uint64_t* full = &s.full[slot.stage];
+          Barrier::arrive_and_expect_tx(full, kStageBytes);
+          if constexpr (kPair) {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&map_a, full, 0b11, wgmma::kEvictNormal,
+                                                   s.a[slot.stage] + rank * kHalfA, kb * kBlock,
+                                                   row + static_cast<int32_t>(rank) * (kBlock / 2));
+          } else {
+            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage], kb * kBlock, row);
+            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage] + kHalfA, kb * kBlock,
+                                         row + kBlock / 2);
+          }
+          cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlock, col);
+          cute::SM90_TMA_LOAD_2D::copy(&map_a_scale, full, wgmma::kEvictNormal, s.a_scale[slot.stage], row, kb);
+          cute::SM90_TMA_LOAD_2D::copy(&map_b_scale, full, wgmma::kEvictNormal, s.b_scale[slot.stage], col, kb);
+          slot.Advance();
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
+    const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
+    float acc[64], part[64];
+    for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
+      const int64_t group = unit / units_per_group;
+      const int32_t in_group = static_cast<int32_t>(unit % units_per_group);
+      const int32_t row = (in_group / col_units) * kBlock;
+      const int32_t col = ((in_group % col_units) * kCtas + static_cast<int32_t>(rank)) * kBlock;
+      const int32_t k_blocks = __ldg(p.table.k_blocks + group);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int32_t kb = 0; kb < k_blocks; ++kb) {
+        Barrier::wait(&s.full[slot.stage], slot.phase);
+        wgmma::MmaBlock(s.a[slot.stage] + consumer * kHalfA, s.b[slot.stage], part);
+        const float scale0 = s.a_scale[slot.stage][row_in_tile], scale1 = s.a_scale[slot.stage][row_in_tile + 8];
+        float2 col_scale[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          col_scale[j] = *reinterpret_cast<const float2*>(&s.b_scale[slot.stage][8 * j + layout.Col()]);
+        }
+        cute::warpgroup_wait<0>();
+        wgmma::FenceAccumulators(part);
+        if (layout.lane == 0) wgmma::Release<kCtas>(&s.empty[slot.stage]);
         slot.Advance();
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[4 * j + 0] = fmaf(part[4 * j + 0], scale0 * col_scale[j].x, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(part[4 * j + 1], scale0 * col_scale[j].y, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(part[4 * j + 2], scale1 * col_scale[j].x, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(part[4 * j + 3], scale1 * col_scale[j].y, acc[4 * j + 3]);
+        }
       }
-    }
-    return;
-  }
-  cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
 
-  const int consumer = warpgroup - 1;
-  const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
-  const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
-  float acc[64], part[64];
-  for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    const int64_t group = tile / tiles_per_group;
-    const int32_t in_group = static_cast<int32_t>(tile % tiles_per_group);
-    const int32_t row = (in_group / col_blocks) * kBlock, col = (in_group % col_blocks) * kBlock;
-    const int32_t k_blocks = __ldg(p.table.k_blocks + group);
+      OutT* d = static_cast<OutT*>(p.d) + (group * p.na + row + row_in_tile) * p.nb + col + layout.Col();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int32_t kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.full[slot.stage], slot.phase);
-      wgmma::MmaBlock(s.a[slot.stage] + consumer * 64 * kBlock, s.b[slot.stage], part);
-      const float scale0 = s.a_scale[slot.stage][row_in_tile], scale1 = s.a_scale[slot.stage][row_in_tile + 8];
-      float2 col_scale[16];
+      for (int half = 0; half < 2; ++half) {
+        OutT* out = d + static_cast<int64_t>(8 * half) * p.nb;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        col_scale[j] = *reinterpret_cast<const float2*>(&s.b_scale[slot.stage][8 * j + layout.Col()]);
+        for (int j = 0; j < 16; ++j) StorePair(out + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
       }
-      cute::warpgroup_wait<0>();
-      wgmma::FenceAccumulators(part);
-      if (layout.lane == 0) Barrier::arrive(&s.empty[slot.stage]);
-      slot.Advance();
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], scale0 * col_scale[j].x, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], scale0 * col_scale[j].y, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], scale1 * col_scale[j].x, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], scale1 * col_scale[j].y, acc[4 * j + 3]);
-      }
-    }
-
-    OutT* d = static_cast<OutT*>(p.d) + (group * p.na + row + row_in_tile) * p.nb + col + layout.Col();
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      OutT* out = d + static_cast<int64_t>(8 * half) * p.nb;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) StorePair(out + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
     }
   }
+  if constexpr (kPair) {
+    cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers
+  }
+}
+
+// The kernel for an output type and a pairing.
+template <typename OutT>
+auto* WgradKernel(bool pair) {
+  return pair ? WgmmaWgradKernel<OutT, true> : WgmmaWgradKernel<OutT, false>;
 }
 
 }  // namespace
@@ -207,7 +240,11 @@ std::string LaunchGroupedGemmFp8WgradWgmma(cudaStream_t stream, int sm_count, co
 
   const int64_t k_blocks = args.p / kBlock;
   CUtensorMap map_a, map_b, map_a_scale, map_b_scale;
-  if (std::string e = wgmma::EncodeOperandMap(&map_a, args.a_t, args.na, args.p); !e.empty()) return e;
+  if (std::string e = wgmma::EncodeMap(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.a_t, args.na, args.p, kBlock / 2,
+                                       kBlock, true);
+      !e.empty()) {
+    return e;
+  }
   if (std::string e = wgmma::EncodeOperandMap(&map_b, args.b_t, args.nb, args.p); !e.empty()) return e;
   if (std::string e = wgmma::EncodeMap(&map_a_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, args.a_sf_t, k_blocks, args.na,
                                        1, kBlock, false);
@@ -222,15 +259,21 @@ std::string LaunchGroupedGemmFp8WgradWgmma(cudaStream_t stream, int sm_count, co
   WgradParams p;
   p.table = table;
   p.d = args.d;
+  p.num_groups = args.num_groups;
   p.na = static_cast<int32_t>(args.na);
   p.nb = static_cast<int32_t>(args.nb);
-  p.tiles = args.num_groups * (args.na / kBlock) * (args.nb / kBlock);
-  auto* kernel = args.d_bf16 ? WgmmaWgradKernel<__nv_bfloat16> : WgmmaWgradKernel<float>;
+  const bool pair = (args.nb / kBlock) % 2 == 0;  // pairs where the column blocks pair up
+  auto* kernel = args.d_bf16 ? WgradKernel<__nv_bfloat16>(pair) : WgradKernel<float>(pair);
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
       err != cudaSuccess) {
     return cudaGetErrorString(err);
   }
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(sm_count, p.tiles)), kThreads, kSharedBytes, stream>>>(
+  if (pair) {
+    return wgmma::LaunchPairs(kernel, kThreads, kSharedBytes, sm_count, stream, map_a, map_b, map_a_scale,
+                              map_b_scale, p);
+  }
+  const int64_t tiles = args.num_groups * (args.na / kBlock) * (args.nb / kBlock);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(sm_count, tiles)), kThreads, kSharedBytes, stream>>>(
       map_a, map_b, map_a_scale, map_b_scale, p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";

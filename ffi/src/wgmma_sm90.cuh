@@ -1,6 +1,6 @@
 // wgmma_sm90.cuh -- the building blocks of the GEMM kernels written directly on Hopper's TMA and wgmma (sm_90a):
-// TMA descriptors, shared-memory matrix descriptors, the E4M3 wgmma of a 64x128 accumulator, and the ring of stages
-// a producer thread fills and the consumer warpgroups drain.
+// TMA descriptors, shared-memory matrix descriptors, the E4M3 wgmma of a 64x128 accumulator, the ring of stages a
+// producer thread fills and the consumer warpgroups drain, and the launch of clusters of two CTAs.
 //
 // NOTES:
 // - Operand blocks are K-major, 128 bytes (128 E4M3 values) along K per row, written by TMA with the 128-byte
@@ -12,10 +12,14 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
+#include "cute/arch/cluster_sm90.hpp"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/arch/mma_sm90_desc.hpp"
@@ -95,6 +99,17 @@ __device__ __forceinline__ void MmaBlock(const uint8_t* smem_a, const uint8_t* s
   cute::warpgroup_commit_batch();
 }
 
+// Arrives on the empty barrier of a stage in each of the kCtas CTAs of the cluster (1: this CTA's only).
+template <int kCtas>
+__device__ __forceinline__ void Release(uint64_t* empty) {
+  if constexpr (kCtas == 1) {
+    Barrier::arrive(empty);
+  } else {
+#pragma unroll
+    for (uint32_t cta = 0; cta < kCtas; ++cta) Barrier::arrive(empty, cta, 1);
+  }
+}
+
 // A position in a ring of kStages stages, and the parity of the round it is in.
 template <int kStages>
 struct Slot {
@@ -116,5 +131,49 @@ struct AccumulatorLayout {
   __device__ __forceinline__ int Row() const { return warp * 16 + lane / 4; }
   __device__ __forceinline__ int Col() const { return (lane % 4) * 2; }
 };
+
+// Launches `kernel` (threads a CTA, smem bytes of dynamic shared memory) on `stream` as clusters of two CTAs along x,
+// as many clusters as can be resident at once on the current device (a persistent kernel: more would wait for a
+// whole earlier cluster to finish). The count is cached per device and kernel.
+template <typename... Params, typename... Args>
+std::string LaunchPairs(void (*kernel)(Params...), int threads, size_t smem, int sm_count, cudaStream_t stream,
+                        Args&&... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = 2;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(sm_count / 2 * 2));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> resident;  // (device, kernel) -> clusters
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cudaGetErrorString(err);
+  int clusters = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
+    if (auto it = resident.find(key); it != resident.end()) {
+      clusters = it->second;
+    } else {
+      if (cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config); err != cudaSuccess) {
+        return cudaGetErrorString(err);
+      }
+      resident[key] = clusters;
+    }
+  }
+  if (clusters < 1) return "no cluster of two CTAs fits on this device";
+  config.gridDim = dim3(static_cast<unsigned>(2 * std::min(clusters, sm_count / 2)));
+  if (cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...); err != cudaSuccess) {
+    return cudaGetErrorString(err);
+  }
+  return "";
+}
 
 }  // namespace jax_moe_a2a::wgmma
