@@ -38,7 +38,6 @@ constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;  // E4M3: one byte an element
-constexpr int kHalfA = kBlockM / 2 * kBlockK;                    // bytes of 64 rows of an A block
 constexpr int kSetupThreads = 256;
 constexpr int kZeroRowsPerBlock = 32;
 
@@ -83,13 +82,7 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedGemmFp8Args 
   sm90::ScanGroupSizes<kSetupThreads>(args.group_sizes, args.num_groups, [&](int64_t grp, int64_t requested,
                                                                              int64_t before) {
     int64_t start, size;
-    if (args.masked) {
-      start = grp * args.rows;
-      size = min(requested, args.rows);
-    } else {
-      start = min(before, args.rows);
-      size = min(requested, args.rows - start);
-    }
+    sm90::GroupRows(args.masked, args.rows, grp, requested, before, &start, &size);
     t.row_start[grp] = start;
     t.row_count[grp] = static_cast<int32_t>(size);
     t.row_blocks[grp] = static_cast<int32_t>((size + kBlockM - 1) / kBlockM);
@@ -146,22 +139,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   using wgmma::Barrier;
   constexpr int kCtas = kPair ? 2 : 1;
   extern __shared__ uint8_t raw_shared[];
-  auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
+  auto& s = wgmma::AlignedShared<SharedStorage>(raw_shared);
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      Barrier::init(&s.full[i], 1);
-      Barrier::init(&s.empty[i], kConsumerWarps * kCtas);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  if constexpr (kPair) {
-    cute::cluster_sync();  // the peer's barriers are initialized before anyone signals them
-  } else {
-    __syncthreads();
-  }
+  wgmma::InitRing<kStages, kCtas>(s.full, s.empty, kConsumerWarps);
 
   // Units of work: one tile, or (kPair) the two tiles of a cluster.
   const int32_t col_units = p.n / kBlockN / kCtas;
@@ -187,16 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
           uint64_t* full = &s.full[slot.stage];
           Barrier::arrive_and_expect_tx(full, kStageBytes);
-          // A in two 64-row halves (map_a's box): each CTA of a pair loads one for both.
-          if constexpr (kPair) {
-            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&map_a, full, 0b11, wgmma::kEvictNormal,
-                                                   s.a[slot.stage] + rank * kHalfA, kb * kBlockK,
-                                                   row + static_cast<int32_t>(rank) * (kBlockM / 2));
-          } else {
-            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage], kb * kBlockK, row);
-            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage] + kHalfA, kb * kBlockK,
-                                         row + kBlockM / 2);
-          }
+          wgmma::LoadA<kCtas>(&map_a, full, s.a[slot.stage], kb * kBlockK, row, rank);
           cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlockK, b_row);
           slot.Advance();
         }
@@ -232,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           next_b = __ldg(sb + kb + 1);
         }
         Barrier::wait(&s.full[slot.stage], slot.phase);
-        wgmma::MmaBlock(s.a[slot.stage] + consumer * kHalfA, s.b[slot.stage], part);
+        wgmma::MmaBlock(s.a[slot.stage] + consumer * wgmma::kHalfBlock, s.b[slot.stage], part);
         cute::warpgroup_wait<0>();
         wgmma::FenceAccumulators(part);
         if (layout.lane == 0) wgmma::Release<kCtas>(&s.empty[slot.stage]);

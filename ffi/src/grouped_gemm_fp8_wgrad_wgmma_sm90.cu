@@ -34,7 +34,6 @@ constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = 2 * kBlock * kBlock + 2 * kBlock * sizeof(float);
-constexpr int kHalfA = kBlock / 2 * kBlock;  // bytes of 64 rows of an A block
 constexpr int kSetupThreads = 256;
 
 struct alignas(1024) SharedStorage {
@@ -107,22 +106,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   using wgmma::Barrier;
   constexpr int kCtas = kPair ? 2 : 1;
   extern __shared__ uint8_t raw_shared[];
-  auto& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw_shared) + 1023) & ~uintptr_t{1023});
+  auto& s = wgmma::AlignedShared<SharedStorage>(raw_shared);
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      Barrier::init(&s.full[i], 1);
-      Barrier::init(&s.empty[i], kConsumerWarps * kCtas);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  if constexpr (kPair) {
-    cute::cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  wgmma::InitRing<kStages, kCtas>(s.full, s.empty, kConsumerWarps);
 
   // Units of work: one tile, or (kPair) the two tiles of a cluster; numbered group by group, row block by row block.
   const int32_t col_units = p.nb / kBlock / kCtas;
@@ -146,15 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
           uint64_t* full = &s.full[slot.stage];
           Barrier::arrive_and_expect_tx(full, kStageBytes);
-          if constexpr (kPair) {
-            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&map_a, full, 0b11, wgmma::kEvictNormal,
-                                                   s.a[slot.stage] + rank * kHalfA, kb * kBlock,
-                                                   row + static_cast<int32_t>(rank) * (kBlock / 2));
-          } else {
-            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage], kb * kBlock, row);
-            cute::SM90_TMA_LOAD_2D::copy(&map_a, full, wgmma::kEvictNormal, s.a[slot.stage] + kHalfA, kb * kBlock,
-                                         row + kBlock / 2);
-          }
+          wgmma::LoadA<kCtas>(&map_a, full, s.a[slot.stage], kb * kBlock, row, rank);
           cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlock, col);
           cute::SM90_TMA_LOAD_2D::copy(&map_a_scale, full, wgmma::kEvictNormal, s.a_scale[slot.stage], row, kb);
           cute::SM90_TMA_LOAD_2D::copy(&map_b_scale, full, wgmma::kEvictNormal, s.b_scale[slot.stage], col, kb);
@@ -179,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
       for (int32_t kb = 0; kb < k_blocks; ++kb) {
         Barrier::wait(&s.full[slot.stage], slot.phase);
-        wgmma::MmaBlock(s.a[slot.stage] + consumer * kHalfA, s.b[slot.stage], part);
+        wgmma::MmaBlock(s.a[slot.stage] + consumer * wgmma::kHalfBlock, s.b[slot.stage], part);
         const float scale0 = s.a_scale[slot.stage][row_in_tile], scale1 = s.a_scale[slot.stage][row_in_tile + 8];
         float2 col_scale[16];
 #pragma unroll

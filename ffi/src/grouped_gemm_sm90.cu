@@ -122,13 +122,7 @@ __device__ void SetupGroups(const GroupedGemmFp8Args& args, const GroupArrays& g
   sm90::ScanGroupSizes<kSetupThreads>(args.group_sizes, args.num_groups, [&](int64_t grp, int64_t requested,
                                                                              int64_t before) {
     int64_t start, size;
-    if (args.masked) {
-      start = grp * args.rows;
-      size = min(requested, args.rows);
-    } else {
-      start = min(before, args.rows);
-      size = min(requested, args.rows - start);
-    }
+    sm90::GroupRows(args.masked, args.rows, grp, requested, before, &start, &size);
     const int m = static_cast<int>(size), n = static_cast<int>(args.n), k = static_cast<int>(args.k);
     g.shapes[grp] = GroupShape(m, n, k);
     g.a[grp] = reinterpret_cast<const ElementA*>(args.a) + start * args.k;

@@ -151,6 +151,20 @@ __device__ void ScanGroupSizes(const int32_t* group_sizes, int64_t num_groups, V
   }
 }
 
+// The rows of group grp in the FP8 GEMM's layouts (grouped_gemm_kernels.cuh), from its requested size (clamped to
+// >= 0) and the sum of the earlier ones (ScanGroupSizes): masked, rows [grp * rows, + min(requested, rows)) of its
+// own matrix; contiguous, the next min(requested, rows left) rows, starts saturating at `rows`.
+__device__ __forceinline__ void GroupRows(bool masked, int64_t rows, int64_t grp, int64_t requested, int64_t before,
+                                          int64_t* start, int64_t* size) {
+  if (masked) {
+    *start = grp * rows;
+    *size = min(requested, rows);
+  } else {
+    *start = min(before, rows);
+    *size = min(requested, rows - *start);
+  }
+}
+
 // Zeroes the bfloat16 output rows [block_row * kRows, + kRows) that no group owns, of matrix blockIdx.y of
 // d [.., rows, n] in the masked layout, of the one matrix d [rows, n] in the contiguous layout (n % 8 == 0). Every
 // thread of the block must call it.

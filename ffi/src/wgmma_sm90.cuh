@@ -99,6 +99,49 @@ __device__ __forceinline__ void MmaBlock(const uint8_t* smem_a, const uint8_t* s
   cute::warpgroup_commit_batch();
 }
 
+// The kernel's shared storage at the first multiple of 1024 bytes (the 128-byte swizzle's period) of the dynamic
+// shared memory, which is allocated with 1024 bytes to spare.
+template <typename Storage>
+__device__ __forceinline__ Storage& AlignedShared(uint8_t* raw) {
+  return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+}
+
+// Initializes a ring of kStages stages: full[i] waits for the producer's arrival and the TMA bytes, empty[i] for one
+// arrival from every consumer warp of the kCtas CTAs of the cluster; every thread of the CTA calls it, and no one
+// signals a barrier (of this CTA or of the cluster's other) before all are initialized.
+template <int kStages, int kCtas>
+__device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int consumer_warps) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      Barrier::init(&full[i], 1);
+      Barrier::init(&empty[i], consumer_warps * kCtas);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (kCtas > 1) {
+    cute::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+}
+
+// Bytes of 64 rows of a 128x128 E4M3 block: the box of an A operand's descriptor.
+constexpr int kHalfBlock = 64 * 128;
+
+// Enqueues the TMA load of the 128-row A block at column k, row `row` of map_a (a 64-row box) into smem_a, completing
+// on `full`: with kCtas == 2 this CTA loads its half (`rank`) into both CTAs of its pair, else both halves.
+template <int kCtas>
+__device__ __forceinline__ void LoadA(const CUtensorMap* map_a, uint64_t* full, uint8_t* smem_a, int32_t k, int32_t row,
+                                      uint32_t rank) {
+  if constexpr (kCtas == 2) {
+    cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_a, full, 0b11, kEvictNormal, smem_a + rank * kHalfBlock, k,
+                                           row + static_cast<int32_t>(rank) * 64);
+  } else {
+    cute::SM90_TMA_LOAD_2D::copy(map_a, full, kEvictNormal, smem_a, k, row);
+    cute::SM90_TMA_LOAD_2D::copy(map_a, full, kEvictNormal, smem_a + kHalfBlock, k, row + 64);
+  }
+}
+
 // Arrives on the empty barrier of a stage in each of the kCtas CTAs of the cluster (1: this CTA's only).
 template <int kCtas>
 __device__ __forceinline__ void Release(uint64_t* empty) {
