@@ -1,5 +1,6 @@
 // grouped_gemm_fp8_wgmma_sm90.cu -- the FP8 block-scaled grouped GEMM of grouped_gemm_kernels.cuh written directly on
-// Hopper's TMA and wgmma (sm_90a), for groups of more than 64 rows on average.
+// Hopper's TMA and wgmma (sm_90a), for groups of more than 64 rows on average. Chosen by
+// JAX_MOE_A2A_FP8_GEMM_KERNEL=wgmma, not the default: docs/PERFORMANCE.md has its speed beside the CUTLASS kernel's.
 //
 // NOTES:
 // - One TMA descriptor per operand over the whole array (a: [rows, K], b: [G*N, K]), so a CTA moving from one

@@ -1,5 +1,6 @@
 // grouped_gemm_fp8_wgrad_wgmma_sm90.cu -- the FP8 weight gradient of grouped_gemm_wgrad_kernels.cuh written directly
-// on Hopper's TMA and wgmma (sm_90a): d[g] = A_g · B_gᵀ over each group's 128-token blocks.
+// on Hopper's TMA and wgmma (sm_90a): d[g] = A_g · B_gᵀ over each group's 128-token blocks. Chosen by
+// JAX_MOE_A2A_FP8_GEMM_KERNEL=wgmma, not the default: docs/PERFORMANCE.md has its speed beside the CUTLASS kernel's.
 //
 // NOTES:
 // - Every group has the same (na / 128) x (nb / 128) output tiles, so the tile count is known on the host; a
@@ -10,7 +11,7 @@
 //   piece): a stage holds the two 128x128 E4M3 blocks and their two scale vectors.
 // - Both operands are scaled per row per 128 tokens, so every accumulator value gets its own product of a row scale
 //   and a column scale at each promotion (64 multiplies and 64 fused multiply-adds a thread a K block, twice the
-//   forward GEMM's share); the two consumer warpgroups promote while the other's wgmma runs.
+//   forward GEMM's share).
 // - Persistent CTAs, one producer thread and two consumer warpgroups, and pairs of CTAs sharing A by multicast, as
 //   in grouped_gemm_fp8_wgmma_sm90.cu; tiles are numbered group by group, row block by row block, so the CTAs
 //   working at one time share a group's operands.
