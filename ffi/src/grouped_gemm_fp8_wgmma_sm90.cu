@@ -18,6 +18,7 @@
 //   caller's scratch (no host synchronization) and zeroes the output rows no group owns.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -31,10 +32,11 @@ namespace jax_moe_a2a {
 
 namespace {
 
-constexpr int kBlockM = 128;  // rows of a tile: 64 per consumer warpgroup
+constexpr int kWaves = 2;                 // 128-row halves of a tile, each 64 rows per consumer warpgroup
+constexpr int kBlockM = 128 * kWaves;     // rows of a tile
 constexpr int kBlockN = 128;
 constexpr int kBlockK = 128;  // one scale block
-constexpr int kStages = 6;
+constexpr int kStages = kWaves == 1 ? 6 : 4;
 constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
@@ -109,6 +111,8 @@ struct GemmParams {
   int64_t total_rows;  // rows of a (all matrices in the masked layout)
   int32_t n;
   int32_t k_blocks;
+  int32_t skew;  // EXPERIMENT: cycles warpgroup 2 starts after warpgroup 1
+  int32_t raster_m;  // EXPERIMENT: a group's tiles column block by column block
 };
 
 // The group of row block `row_block` and the block's first row within it. `group` is the group of the previous
@@ -116,6 +120,29 @@ struct GemmParams {
 __device__ __forceinline__ int64_t GroupOf(const GemmParams& p, int32_t row_block, int64_t group) {
   while (__ldg(p.table.block_start + group + 1) <= row_block) ++group;
   return group;
+}
+
+struct TilePos {
+  int32_t row_block;
+  int32_t col_block;
+};
+
+template <int kCtas>
+__device__ __forceinline__ TilePos Locate(const GemmParams& p, int64_t unit, int32_t col_units, uint32_t rank,
+                                          int64_t& group) {
+  group = GroupOf(p, static_cast<int32_t>(unit / col_units), group);
+  int32_t row_block, col_unit;
+  if (p.raster_m) {
+    const int32_t first = __ldg(p.table.block_start + group);
+    const int32_t blocks = __ldg(p.table.block_start + group + 1) - first;
+    const int64_t local = unit - static_cast<int64_t>(first) * col_units;
+    col_unit = static_cast<int32_t>(local / blocks);
+    row_block = first + static_cast<int32_t>(local % blocks);
+  } else {
+    row_block = static_cast<int32_t>(unit / col_units);
+    col_unit = static_cast<int32_t>(unit % col_units);
+  }
+  return {row_block, col_unit * kCtas + static_cast<int32_t>(rank)};
 }
 
 // acc += part * scale: scale0 for the thread's first row, scale1 for its row 8 below (wgmma::AccumulatorLayout).
@@ -160,9 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];" ::"l"(&map_a) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(&map_b) : "memory");
       for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
-        const int32_t row_block = static_cast<int32_t>(unit / col_units);
-        const int32_t col_block = static_cast<int32_t>(unit % col_units) * kCtas + static_cast<int32_t>(rank);
-        group = GroupOf(p, row_block, group);
+        const auto [row_block, col_block] = Locate<kCtas>(p, unit, col_units, rank, group);
         const int32_t row = static_cast<int32_t>(__ldg(p.table.row_start + group) +
                                                  (row_block - __ldg(p.table.block_start + group)) * kBlockM);
         const int32_t b_row = static_cast<int32_t>(group * p.n + col_block * kBlockN);
@@ -170,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Barrier::wait(&s.empty[slot.stage], slot.phase ^ 1);
           uint64_t* full = &s.full[slot.stage];
           Barrier::arrive_and_expect_tx(full, kStageBytes);
-          wgmma::LoadA<kCtas>(&map_a, full, s.a[slot.stage], kb * kBlockK, row, rank);
+          wgmma::LoadA<kCtas, kBlockM>(&map_a, full, s.a[slot.stage], kb * kBlockK, row, rank);
           cute::SM90_TMA_LOAD_2D::copy(&map_b, full, wgmma::kEvictNormal, s.b[slot.stage], kb * kBlockK, b_row);
           slot.Advance();
         }
@@ -179,52 +204,90 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
   } else {
     cutlass::arch::warpgroup_reg_alloc<wgmma::kConsumerRegisters>();
-    // Consumers: warpgroup 1 takes rows [0, 64) of a tile, warpgroup 2 rows [64, 128).
+    // Consumers: warpgroup 1 takes rows [0, 64) of each 128-row wave of a tile, warpgroup 2 rows [64, 128).
     const int consumer = warpgroup - 1;
     const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
-    const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
-    float acc[64], part[64];
+    const int row_in_wave = consumer * 64 + layout.Row();  // and row_in_wave + 8
+    float acc[kWaves][64], part[64];
+    if (consumer == 1 && p.skew > 0 && first_unit < units) {
+      Barrier::wait(&s.full[0], 0);
+      const long long t0 = clock64();
+      while (clock64() - t0 < p.skew) {
+      }
+    }
     for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
-      const int32_t row_block = static_cast<int32_t>(unit / col_units);
-      const int32_t col_block = static_cast<int32_t>(unit % col_units) * kCtas + static_cast<int32_t>(rank);
-      group = GroupOf(p, row_block, group);
+      const auto [row_block, col_block] = Locate<kCtas>(p, unit, col_units, rank, group);
       const int32_t row_in_group = (row_block - __ldg(p.table.block_start + group)) * kBlockM;
       const int64_t first_row = __ldg(p.table.row_start + group) + row_in_group;
       const int32_t rows_left = __ldg(p.table.row_count + group) - row_in_group;
-      const float* sa0 = p.a_sf + min(first_row + row_in_tile, p.total_rows - 1) * p.k_blocks;
-      const float* sa1 = p.a_sf + min(first_row + row_in_tile + 8, p.total_rows - 1) * p.k_blocks;
+      // Waves whose 64 rows of this warpgroup are all past the group are not computed (nor stored).
+      bool active[kWaves];
+      const float* sa[kWaves][2];
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+        active[w] = w * 128 + consumer * 64 < rows_left;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sa[w][h] = p.a_sf + min(first_row + w * 128 + row_in_wave + 8 * h, p.total_rows - 1) * p.k_blocks;
+        }
+      }
       const float* sb = p.b_sf + (group * (p.n / kBlockN) + col_block) * p.k_blocks;
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[w][i] = 0.0f;
+      }
       // The scales of the next K block are loaded while this one is multiplied.
-      float next_a0 = __ldg(sa0), next_a1 = __ldg(sa1), next_b = __ldg(sb);
+      float next_a[kWaves][2], next_b = __ldg(sb);
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+        next_a[w][0] = __ldg(sa[w][0]);
+        next_a[w][1] = __ldg(sa[w][1]);
+      }
       for (int32_t kb = 0; kb < p.k_blocks; ++kb) {
-        const float a0 = next_a0, a1 = next_a1, b = next_b;
+        float a[kWaves][2];
+        const float b = next_b;
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          a[w][0] = next_a[w][0];
+          a[w][1] = next_a[w][1];
+        }
         if (kb + 1 < p.k_blocks) {
-          next_a0 = __ldg(sa0 + kb + 1);
-          next_a1 = __ldg(sa1 + kb + 1);
+#pragma unroll
+          for (int w = 0; w < kWaves; ++w) {
+            next_a[w][0] = __ldg(sa[w][0] + kb + 1);
+            next_a[w][1] = __ldg(sa[w][1] + kb + 1);
+          }
           next_b = __ldg(sb + kb + 1);
         }
         Barrier::wait(&s.full[slot.stage], slot.phase);
-        wgmma::MmaBlock(s.a[slot.stage] + consumer * wgmma::kHalfBlock, s.b[slot.stage], part);
-        cute::warpgroup_wait<0>();
-        wgmma::FenceAccumulators(part);
-        if (layout.lane == 0) wgmma::Release<kCtas>(&s.empty[slot.stage]);
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          if (active[w]) {
+            wgmma::MmaBlock(s.a[slot.stage] + (2 * w + consumer) * wgmma::kHalfBlock, s.b[slot.stage], part);
+            cute::warpgroup_wait<0>();
+            wgmma::FenceAccumulators(part);
+          }
+          if (w == kWaves - 1 && layout.lane == 0) wgmma::Release<kCtas>(&s.empty[slot.stage]);
+          if (active[w]) Promote(acc[w], part, a[w][0] * b, a[w][1] * b);
+        }
         slot.Advance();
-        Promote(acc, part, a0 * b, a1 * b);
       }
 
       // Store the rows the group owns.
       __nv_bfloat16* d = p.d + first_row * p.n + col_block * kBlockN + layout.Col();
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row_in_tile + 8 * half;
-        if (row < rows_left) {
-          __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
+      for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+          const int row = w * 128 + row_in_wave + 8 * half;
+          if (row < rows_left) {
+            __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
+                  __floats2bfloat162_rn(acc[w][4 * j + 2 * half], acc[w][4 * j + 2 * half + 1]);
+            }
           }
         }
       }
@@ -261,7 +324,7 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
 
   CUtensorMap map_a, map_b;
   if (std::string e = wgmma::EncodeMap(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.a, total_rows, args.k,
-                                       kBlockM / 2, kBlockK, true);
+                                       64, kBlockK, true);
       !e.empty()) {
     return e;
   }
@@ -275,6 +338,8 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
   p.total_rows = total_rows;
   p.n = static_cast<int32_t>(args.n);
   p.k_blocks = static_cast<int32_t>(args.k / kBlockK);
+  p.raster_m = getenv("JAX_MOE_A2A_WGMMA_RASTER_M") ? 1 : 0;
+  p.skew = getenv("JAX_MOE_A2A_WGMMA_SKEW") ? atoi(getenv("JAX_MOE_A2A_WGMMA_SKEW")) : 0;
 
   // Pairs where the column blocks pair up, single CTAs otherwise.
   const bool pair = (args.n / kBlockN) % 2 == 0;
