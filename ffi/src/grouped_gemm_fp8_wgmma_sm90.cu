@@ -47,6 +47,7 @@ constexpr int kZeroRowsPerBlock = 32;
 struct alignas(1024) SharedStorage {
   uint8_t a[kStages][kBlockM * kBlockK];  // each block 1024-byte aligned: the 128-byte swizzle's period
   uint8_t b[kStages][kBlockN * kBlockK];
+  uint8_t d[kConsumers][wgmma::StagedBlock<__nv_bfloat16>::kBytes];  // each consumer's 64 output rows, for TMA
   uint64_t full[kStages];   // TMA bytes landed
   uint64_t empty[kStages];  // every consumer warp done reading
 };
@@ -163,7 +164,7 @@ __device__ __forceinline__ void Promote(float (&acc)[64], const float (&part)[64
 template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                    const GemmParams p) {
+                    const __grid_constant__ CUtensorMap map_d, const GemmParams p) {
   using wgmma::Barrier;
   constexpr int kCtas = kPair ? 2 : 1;
   extern __shared__ uint8_t raw_shared[];
@@ -274,24 +275,43 @@ __global__ void __launch_bounds__(kThreads, 1)
         slot.Advance();
       }
 
-      // Store the rows the group owns.
-      __nv_bfloat16* d = p.d + first_row * p.n + col_block * kBlockN + layout.Col();
+      // Store the rows the group owns: a warpgroup's 64 rows of a wave by TMA from shared memory where the group
+      // owns them all (asynchronously: the warpgroup waits for the reads of its previous store before staging over
+      // it), else row by row from registers.
+      const bool leader = threadIdx.x % 128 == 0;
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
+        const int block_row = w * 128 + consumer * 64;
+        if (block_row + 64 <= rows_left) {
+          if (leader) cute::tma_store_wait<0>();
+          wgmma::SyncThreads(1 + consumer, 128);
+          wgmma::StageAccumulators<__nv_bfloat16>(s.d[consumer], layout, acc[w], [](__nv_bfloat16* out, float x, float y) {
+            *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
+          });
+          cute::tma_store_fence();
+          wgmma::SyncThreads(1 + consumer, 128);
+          if (leader) {
+            wgmma::StoreStaged<__nv_bfloat16>(&map_d, s.d[consumer], static_cast<int32_t>(first_row + block_row),
+                                              col_block * kBlockN);
+          }
+        } else if (block_row < rows_left) {
+          __nv_bfloat16* d = p.d + first_row * p.n + col_block * kBlockN + layout.Col();
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = w * 128 + row_in_wave + 8 * half;
-          if (row < rows_left) {
-            __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
+          for (int half = 0; half < 2; ++half) {
+            const int row = w * 128 + row_in_wave + 8 * half;
+            if (row < rows_left) {
+              __nv_bfloat16* out = d + static_cast<int64_t>(row) * p.n;
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-              *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
-                  __floats2bfloat162_rn(acc[w][4 * j + 2 * half], acc[w][4 * j + 2 * half + 1]);
+              for (int j = 0; j < 16; ++j) {
+                *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
+                    __floats2bfloat162_rn(acc[w][4 * j + 2 * half], acc[w][4 * j + 2 * half + 1]);
+              }
             }
           }
         }
       }
     }
+    if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
   }
   if constexpr (kPair) {
     cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers
@@ -329,6 +349,12 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
     return e;
   }
   if (std::string e = wgmma::EncodeOperandMap(&map_b, args.b, args.num_groups * args.n, args.k); !e.empty()) return e;
+  CUtensorMap map_d;
+  if (std::string e = wgmma::EncodeMap(&map_d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.d, total_rows, args.n, 64,
+                                       wgmma::StagedBlock<__nv_bfloat16>::kBoxCols, true);
+      !e.empty()) {
+    return e;
+  }
   GemmParams p;
   p.a_sf = args.a_sf;
   p.b_sf = args.b_sf;
@@ -348,8 +374,8 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
       err != cudaSuccess) {
     return cudaGetErrorString(err);
   }
-  if (pair) return wgmma::LaunchPairs(kernel, kThreads, kSharedBytes, sm_count, stream, map_a, map_b, p);
-  kernel<<<sm_count, kThreads, kSharedBytes, stream>>>(map_a, map_b, p);
+  if (pair) return wgmma::LaunchPairs(kernel, kThreads, kSharedBytes, sm_count, stream, map_a, map_b, map_d, p);
+  kernel<<<sm_count, kThreads, kSharedBytes, stream>>>(map_a, map_b, map_d, p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";
 }
