@@ -4,21 +4,25 @@
 //
 // NOTES:
 // - One TMA descriptor per operand over the whole array (a: [rows, K], b: [G*N, K]), so a CTA moving from one
-//   group to the next changes only coordinates. A tile is 128 rows of one group; its first row is the group's
-//   first row plus a multiple of 128, so a group's last tile may read rows of the next group (or the zeros TMA
-//   fills past the array): those rows are computed and never stored.
-// - Persistent CTAs, one per SM, three warpgroups: one producer thread issues the TMA loads of a 6-stage ring of
-//   128x128 A and B blocks (32 KB a stage); two consumer warpgroups each multiply 64 rows of the tile by its 128
-//   columns with wgmma m64n128k32 (four per 128-deep K block), then promote the block's partial sums into float32
-//   accumulators with the scales a_sf[row, kb] * b_sf[g, nb, kb] (the FP32 promotion every 128 values that the
-//   CUTLASS kernel also does). The producer runs ahead into the next tile while the consumers store one.
+//   group to the next changes only coordinates. A tile is 256 rows of one group by 128 columns; its first row is the
+//   group's first row plus a multiple of 256, so a group's last tile may read rows of the next group (or the zeros
+//   TMA fills past the array): those rows are computed and never stored, and a warpgroup skips the wgmma of a
+//   128-row wave whose 64 rows of it all lie past the group.
+// - Persistent CTAs, one per SM, three warpgroups: one producer thread issues the TMA loads of a 4-stage ring of
+//   256x128 A and 128x128 B blocks (48 KB a stage); two consumer warpgroups each multiply 64 rows of each of the
+//   tile's two 128-row waves by its 128 columns with wgmma m64n128k32 (four per 128-deep K block and wave), then
+//   promote the block's partial sums into float32 accumulators with the scales a_sf[row, kb] * b_sf[g, nb, kb] (the
+//   FP32 promotion every 128 values that the CUTLASS kernel also does). A 256-row tile reads each B block once for
+//   twice the rows of a 128-row tile. The producer runs ahead into the next tile while the consumers store one.
+// - The epilogue stages a warpgroup's 64x128 bf16 block in shared memory and writes it with TMA stores, which run
+//   while the warpgroup goes on with its next tile; a block of which the group owns only some rows is stored row by
+//   row from registers.
 // - Tiles are numbered row block by row block, the column blocks of a row block consecutive, so the CTAs working
 //   at one time share a few row blocks of A and one group's B in L2.
-// - A setup kernel turns group_sizes into per-group starts, sizes and the running count of 128-row blocks in the
+// - A setup kernel turns group_sizes into per-group starts, sizes and the running count of 256-row blocks in the
 //   caller's scratch (no host synchronization) and zeroes the output rows no group owns.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -32,11 +36,11 @@ namespace jax_moe_a2a {
 
 namespace {
 
-constexpr int kWaves = 2;                 // 128-row halves of a tile, each 64 rows per consumer warpgroup
-constexpr int kBlockM = 128 * kWaves;     // rows of a tile
+constexpr int kWaves = 2;              // 128-row halves of a tile, 64 rows of each per consumer warpgroup
+constexpr int kBlockM = 128 * kWaves;  // rows of a tile
 constexpr int kBlockN = 128;
 constexpr int kBlockK = 128;  // one scale block
-constexpr int kStages = kWaves == 1 ? 6 : 4;
+constexpr int kStages = 4;    // 48 KB each, beside the 32 KB of output staging
 constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
@@ -57,7 +61,7 @@ constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of
 struct GroupTable {
   int64_t* row_start;    // [G] first row of the group in a / d
   int32_t* row_count;    // [G]
-  int32_t* row_blocks;   // [G] ceil(row_count / 128)
+  int32_t* row_blocks;   // [G] ceil(row_count / kBlockM)
   int32_t* block_start;  // [G + 1] running sum of row_blocks
 };
 
@@ -112,8 +116,6 @@ struct GemmParams {
   int64_t total_rows;  // rows of a (all matrices in the masked layout)
   int32_t n;
   int32_t k_blocks;
-  int32_t skew;  // EXPERIMENT: cycles warpgroup 2 starts after warpgroup 1
-  int32_t raster_m;  // EXPERIMENT: a group's tiles column block by column block
 };
 
 // The group of row block `row_block` and the block's first row within it. `group` is the group of the previous
@@ -128,22 +130,14 @@ struct TilePos {
   int32_t col_block;
 };
 
+// The row block and column block of `unit` (kCtas column blocks of one row block; this CTA takes column block
+// `rank` of them), and `group` moved on to the row block's group.
 template <int kCtas>
 __device__ __forceinline__ TilePos Locate(const GemmParams& p, int64_t unit, int32_t col_units, uint32_t rank,
                                           int64_t& group) {
-  group = GroupOf(p, static_cast<int32_t>(unit / col_units), group);
-  int32_t row_block, col_unit;
-  if (p.raster_m) {
-    const int32_t first = __ldg(p.table.block_start + group);
-    const int32_t blocks = __ldg(p.table.block_start + group + 1) - first;
-    const int64_t local = unit - static_cast<int64_t>(first) * col_units;
-    col_unit = static_cast<int32_t>(local / blocks);
-    row_block = first + static_cast<int32_t>(local % blocks);
-  } else {
-    row_block = static_cast<int32_t>(unit / col_units);
-    col_unit = static_cast<int32_t>(unit % col_units);
-  }
-  return {row_block, col_unit * kCtas + static_cast<int32_t>(rank)};
+  const int32_t row_block = static_cast<int32_t>(unit / col_units);
+  group = GroupOf(p, row_block, group);
+  return {row_block, static_cast<int32_t>(unit % col_units) * kCtas + static_cast<int32_t>(rank)};
 }
 
 // acc += part * scale: scale0 for the thread's first row, scale1 for its row 8 below (wgmma::AccumulatorLayout).
@@ -158,8 +152,8 @@ __device__ __forceinline__ void Promote(float (&acc)[64], const float (&part)[64
 }
 
 // kPair: a cluster of two CTAs takes the two column blocks 2c and 2c + 1 of one row block; each loads half of the
-// shared 128-row A block and multicasts it to both, so A is read from L2 once per pair (24 KB a CTA a K block
-// instead of 32). A stage of either CTA is refilled only when the consumers of both have released it: every
+// shared 256-row A block and multicasts it to both, so A is read from L2 once per pair (32 KB a CTA a K block
+// instead of 48). A stage of either CTA is refilled only when the consumers of both have released it: every
 // consumer warp arrives on the empty barrier of both CTAs.
 template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -210,12 +204,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
     const int row_in_wave = consumer * 64 + layout.Row();  // and row_in_wave + 8
     float acc[kWaves][64], part[64];
-    if (consumer == 1 && p.skew > 0 && first_unit < units) {
-      Barrier::wait(&s.full[0], 0);
-      const long long t0 = clock64();
-      while (clock64() - t0 < p.skew) {
-      }
-    }
     for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
       const auto [row_block, col_block] = Locate<kCtas>(p, unit, col_units, rank, group);
       const int32_t row_in_group = (row_block - __ldg(p.table.block_start + group)) * kBlockM;
@@ -364,8 +352,6 @@ std::string LaunchGroupedGemmFp8Wgmma(cudaStream_t stream, int sm_count, const G
   p.total_rows = total_rows;
   p.n = static_cast<int32_t>(args.n);
   p.k_blocks = static_cast<int32_t>(args.k / kBlockK);
-  p.raster_m = getenv("JAX_MOE_A2A_WGMMA_RASTER_M") ? 1 : 0;
-  p.skew = getenv("JAX_MOE_A2A_WGMMA_SKEW") ? atoi(getenv("JAX_MOE_A2A_WGMMA_SKEW")) : 0;
 
   // Pairs where the column blocks pair up, single CTAs otherwise.
   const bool pair = (args.n / kBlockN) % 2 == 0;

@@ -15,6 +15,8 @@
 // - Persistent CTAs, one producer thread and two consumer warpgroups, and pairs of CTAs sharing A by multicast, as
 //   in grouped_gemm_fp8_wgmma_sm90.cu; tiles are numbered group by group, row block by row block, so the CTAs
 //   working at one time share a group's operands.
+// - A tile runs few K blocks (8 at 1024 tokens a group), so its epilogue matters: a warpgroup stages its 64x128
+//   output block in shared memory and writes it with TMA stores that run while it starts the next tile.
 #include <algorithm>
 #include <cstdint>
 #include <string>
