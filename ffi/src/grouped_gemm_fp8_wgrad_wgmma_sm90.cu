@@ -15,6 +15,8 @@
 // - Persistent CTAs, one producer thread and two consumer warpgroups, and pairs of CTAs sharing A by multicast, as
 //   in grouped_gemm_fp8_wgmma_sm90.cu; tiles are numbered group by group, row block by row block, so the CTAs
 //   working at one time share a group's operands.
+// - A tile runs few K blocks (8 at 1024 tokens a group), so its epilogue matters: a warpgroup stages its 64x128
+//   output block in shared memory and writes it with TMA stores that run while it starts the next tile.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -30,22 +32,28 @@ namespace jax_moe_a2a {
 namespace {
 
 constexpr int kBlock = 128;  // rows and columns of a tile, tokens of a K block
-constexpr int kStages = 5;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr uint32_t kStageBytes = 2 * kBlock * kBlock + 2 * kBlock * sizeof(float);
 constexpr int kSetupThreads = 256;
 
+// Stages of the ring: as many as fit beside the output staging (f32: 64 KB, bf16: 32 KB) in 227 KB.
+template <typename OutT>
+constexpr int kStages = sizeof(OutT) == 4 ? 4 : 5;
+
+template <typename OutT>
 struct alignas(1024) SharedStorage {
-  uint8_t a[kStages][kBlock * kBlock];  // 1024-byte aligned blocks: the 128-byte swizzle's period
-  uint8_t b[kStages][kBlock * kBlock];
-  float a_scale[kStages][kBlock];
-  float b_scale[kStages][kBlock];
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
+  uint8_t a[kStages<OutT>][kBlock * kBlock];  // 1024-byte aligned blocks: the 128-byte swizzle's period
+  uint8_t b[kStages<OutT>][kBlock * kBlock];
+  uint8_t d[kConsumers][wgmma::StagedBlock<OutT>::kBytes];  // each consumer's output block, staged for TMA stores
+  float a_scale[kStages<OutT>][kBlock];
+  float b_scale[kStages<OutT>][kBlock];
+  uint64_t full[kStages<OutT>];
+  uint64_t empty[kStages<OutT>];
 };
-constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;
+template <typename OutT>
+constexpr size_t kSharedBytes = sizeof(SharedStorage<OutT>) + 1024;
 
 // The per-group table: first 128-token block and number of blocks.
 struct KTable {
@@ -78,7 +86,6 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedGemmFp8Wgrad
 
 struct WgradParams {
   KTable table;
-  void* d;
   int64_t num_groups;
   int32_t na;
   int32_t nb;
@@ -103,11 +110,12 @@ template <typename OutT, bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaWgradKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_a_scale, const __grid_constant__ CUtensorMap map_b_scale,
-                     const WgradParams p) {
+                     const __grid_constant__ CUtensorMap map_d, const WgradParams p) {
   using wgmma::Barrier;
   constexpr int kCtas = kPair ? 2 : 1;
+  constexpr int kStages = jax_moe_a2a::kStages<OutT>;
   extern __shared__ uint8_t raw_shared[];
-  auto& s = wgmma::AlignedShared<SharedStorage>(raw_shared);
+  auto& s = wgmma::AlignedShared<SharedStorage<OutT>>(raw_shared);
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
@@ -180,18 +188,32 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
-      OutT* d = static_cast<OutT*>(p.d) + (group * p.na + row + row_in_tile) * p.nb + col + layout.Col();
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        OutT* out = d + static_cast<int64_t>(8 * half) * p.nb;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) StorePair(out + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      // The block goes out by TMA from shared memory, asynchronously: the warpgroup goes on with its next tile while
+      // it is written, and waits for the reads of the previous store before staging over it.
+      const bool leader = threadIdx.x % 128 == 0;
+      if (leader) cute::tma_store_wait<0>();
+      wgmma::SyncThreads(1 + consumer, 128);
+      wgmma::StageAccumulators<OutT>(s.d[consumer], layout, acc,
+                                     [](OutT* out, float x, float y) { StorePair(out, x, y); });
+      cute::tma_store_fence();
+      wgmma::SyncThreads(1 + consumer, 128);
+      if (leader) {
+        wgmma::StoreStaged<OutT>(&map_d, s.d[consumer], static_cast<int32_t>(group * p.na + row + consumer * 64), col);
       }
     }
+    if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
   }
   if constexpr (kPair) {
     cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers
   }
+}
+
+// The descriptor of the output d [G * na, nb] of OutT, written in a consumer's StagedBlock boxes.
+template <typename OutT>
+std::string EncodeOutputMap(CUtensorMap* map, const GroupedGemmFp8WgradArgs& args) {
+  constexpr bool kF32 = sizeof(OutT) == 4;
+  return wgmma::EncodeMap(map, kF32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sizeof(OutT),
+                          args.d, args.num_groups * args.na, args.nb, 64, wgmma::StagedBlock<OutT>::kBoxCols, true);
 }
 
 // The kernel for an output type and a pairing.
@@ -237,25 +259,31 @@ std::string LaunchGroupedGemmFp8WgradWgmma(cudaStream_t stream, int sm_count, co
       !e.empty()) {
     return e;
   }
+  if (args.num_groups * args.na >= (int64_t{1} << 31)) return "more than 2^31 rows in d";
+  CUtensorMap map_d;
+  if (std::string e = args.d_bf16 ? EncodeOutputMap<__nv_bfloat16>(&map_d, args) : EncodeOutputMap<float>(&map_d, args);
+      !e.empty()) {
+    return e;
+  }
   WgradParams p;
   p.table = table;
-  p.d = args.d;
   p.num_groups = args.num_groups;
   p.na = static_cast<int32_t>(args.na);
   p.nb = static_cast<int32_t>(args.nb);
   const bool pair = (args.nb / kBlock) % 2 == 0;  // pairs where the column blocks pair up
   auto* kernel = args.d_bf16 ? WgradKernel<__nv_bfloat16>(pair) : WgradKernel<float>(pair);
-  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  const size_t smem = args.d_bf16 ? kSharedBytes<__nv_bfloat16> : kSharedBytes<float>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       err != cudaSuccess) {
     return cudaGetErrorString(err);
   }
   if (pair) {
-    return wgmma::LaunchPairs(kernel, kThreads, kSharedBytes, sm_count, stream, map_a, map_b, map_a_scale,
-                              map_b_scale, p);
+    return wgmma::LaunchPairs(kernel, kThreads, smem, sm_count, stream, map_a, map_b, map_a_scale, map_b_scale, map_d,
+                              p);
   }
   const int64_t tiles = args.num_groups * (args.na / kBlock) * (args.nb / kBlock);
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(sm_count, tiles)), kThreads, kSharedBytes, stream>>>(
-      map_a, map_b, map_a_scale, map_b_scale, p);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(sm_count, tiles)), kThreads, smem, stream>>>(
+      map_a, map_b, map_a_scale, map_b_scale, map_d, p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
   return "";
 }

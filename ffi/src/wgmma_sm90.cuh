@@ -128,17 +128,24 @@ __device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int co
 // Bytes of 64 rows of a 128x128 E4M3 block: the box of an A operand's descriptor.
 constexpr int kHalfBlock = 64 * 128;
 
-// Enqueues the TMA load of the 128-row A block at column k, row `row` of map_a (a 64-row box) into smem_a, completing
-// on `full`: with kCtas == 2 this CTA loads its half (`rank`) into both CTAs of its pair, else both halves.
-template <int kCtas>
+// Enqueues the TMA load of the kRows-row A block (a multiple of 64) at column k, row `row` of map_a (a 64-row box)
+// into smem_a, completing on `full`: with kCtas == 2 this CTA loads its half (`rank`) into both CTAs of its pair,
+// else all of it.
+template <int kCtas, int kRows = 128>
 __device__ __forceinline__ void LoadA(const CUtensorMap* map_a, uint64_t* full, uint8_t* smem_a, int32_t k, int32_t row,
                                       uint32_t rank) {
-  if constexpr (kCtas == 2) {
-    cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_a, full, 0b11, kEvictNormal, smem_a + rank * kHalfBlock, k,
-                                           row + static_cast<int32_t>(rank) * 64);
-  } else {
-    cute::SM90_TMA_LOAD_2D::copy(map_a, full, kEvictNormal, smem_a, k, row);
-    cute::SM90_TMA_LOAD_2D::copy(map_a, full, kEvictNormal, smem_a + kHalfBlock, k, row + 64);
+  constexpr int kBoxes = kRows / 64;
+  static_assert(kRows % 64 == 0 && kBoxes % kCtas == 0, "A blocks are loaded in 64-row boxes, evenly per CTA");
+  constexpr int kMine = kBoxes / kCtas;
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const int box = static_cast<int>(rank) * kMine + i;
+    if constexpr (kCtas == 2) {
+      cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_a, full, 0b11, kEvictNormal, smem_a + box * kHalfBlock, k,
+                                             row + box * 64);
+    } else {
+      cute::SM90_TMA_LOAD_2D::copy(map_a, full, kEvictNormal, smem_a + box * kHalfBlock, k, row + box * 64);
+    }
   }
 }
 
@@ -174,6 +181,55 @@ struct AccumulatorLayout {
   __device__ __forceinline__ int Row() const { return warp * 16 + lane / 4; }
   __device__ __forceinline__ int Col() const { return (lane % 4) * 2; }
 };
+
+// A consumer warpgroup's 64x128 output block staged in shared memory for TMA stores: boxes of 64 rows by 128 bytes
+// (the widest box the 128-byte swizzle allows), each 1024-byte aligned, the rows' 16-byte chunks swizzled as TMA
+// reads them, so the warp's stores of 8 rows x 16 bytes land in 32 distinct banks.
+template <typename OutT>
+struct StagedBlock {
+  static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(OutT));
+  static constexpr int kBoxes = 128 / kBoxCols;
+  static constexpr int kBoxBytes = 64 * 128;
+  static constexpr int kBytes = kBoxes * kBoxBytes;
+
+  // The byte offset of (row, col) of the block.
+  __device__ __forceinline__ static uint32_t Offset(int row, int col) {
+    const int byte = col * static_cast<int>(sizeof(OutT));
+    const int chunk = (byte % 128) / 16;
+    return (byte / 128) * kBoxBytes + row * 128 + ((chunk ^ (row % 8)) * 16) + byte % 16;
+  }
+};
+
+// Every thread of a consumer warpgroup writes its accumulator values (AccumulatorLayout) into the staged block.
+template <typename OutT, typename Pair>
+__device__ __forceinline__ void StageAccumulators(uint8_t* block, const AccumulatorLayout& layout, const float (&acc)[64],
+                                                  Pair store_pair) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      store_pair(reinterpret_cast<OutT*>(block + StagedBlock<OutT>::Offset(layout.Row() + 8 * half, 8 * j + layout.Col())),
+                 acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+  }
+}
+
+// One thread: the TMA stores of a staged block to (row, col) of map (boxes of 64 rows by StagedBlock::kBoxCols), as
+// one bulk group; wait with cute::tma_store_wait<0>() before the block is written again or the CTA exits.
+template <typename OutT>
+__device__ __forceinline__ void StoreStaged(const CUtensorMap* map, uint8_t* block, int32_t row, int32_t col) {
+#pragma unroll
+  for (int b = 0; b < StagedBlock<OutT>::kBoxes; ++b) {
+    cute::SM90_TMA_STORE_2D::copy(map, block + b * StagedBlock<OutT>::kBoxBytes, col + b * StagedBlock<OutT>::kBoxCols,
+                                  row);
+  }
+  cute::tma_store_arrive();
+}
+
+// bar.sync on named barrier `id` (1..15) for the `threads` threads that use it.
+__device__ __forceinline__ void SyncThreads(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 // Launches `kernel` (threads a CTA, smem bytes of dynamic shared memory) on `stream` as clusters of two CTAs along x,
 // as many clusters as can be resident at once on the current device (a persistent kernel: more would wait for a
