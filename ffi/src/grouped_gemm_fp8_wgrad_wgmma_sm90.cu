@@ -40,17 +40,17 @@ constexpr int kSetupThreads = 256;
 
 // Stages of the ring: as many as fit beside the output staging (f32: 64 KB, bf16: 32 KB) in 227 KB.
 template <typename OutT>
-constexpr int kStages = sizeof(OutT) == 4 ? 4 : 5;
+constexpr int kStagesOf = sizeof(OutT) == 4 ? 4 : 5;
 
 template <typename OutT>
 struct alignas(1024) SharedStorage {
-  uint8_t a[kStages<OutT>][kBlock * kBlock];  // 1024-byte aligned blocks: the 128-byte swizzle's period
-  uint8_t b[kStages<OutT>][kBlock * kBlock];
+  uint8_t a[kStagesOf<OutT>][kBlock * kBlock];  // 1024-byte aligned blocks: the 128-byte swizzle's period
+  uint8_t b[kStagesOf<OutT>][kBlock * kBlock];
   uint8_t d[kConsumers][wgmma::StagedBlock<OutT>::kBytes];  // each consumer's output block, staged for TMA stores
-  float a_scale[kStages<OutT>][kBlock];
-  float b_scale[kStages<OutT>][kBlock];
-  uint64_t full[kStages<OutT>];
-  uint64_t empty[kStages<OutT>];
+  float a_scale[kStagesOf<OutT>][kBlock];
+  float b_scale[kStagesOf<OutT>][kBlock];
+  uint64_t full[kStagesOf<OutT>];
+  uint64_t empty[kStagesOf<OutT>];
 };
 template <typename OutT>
 constexpr size_t kSharedBytes = sizeof(SharedStorage<OutT>) + 1024;
@@ -113,20 +113,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const __grid_constant__ CUtensorMap map_d, const WgradParams p) {
   using wgmma::Barrier;
   constexpr int kCtas = kPair ? 2 : 1;
-  constexpr int kStages = jax_moe_a2a::kStages<OutT>;
   extern __shared__ uint8_t raw_shared[];
   auto& s = wgmma::AlignedShared<SharedStorage<OutT>>(raw_shared);
 
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
-  wgmma::InitRing<kStages, kCtas>(s.full, s.empty, kConsumerWarps);
+  wgmma::InitRing<kStagesOf<OutT>, kCtas>(s.full, s.empty, kConsumerWarps);
 
   // Units of work: one tile, or (kPair) the two tiles of a cluster; numbered group by group, row block by row block.
   const int32_t col_units = p.nb / kBlock / kCtas;
   const int64_t units_per_group = static_cast<int64_t>(p.na / kBlock) * col_units;
   const int64_t units = p.num_groups * units_per_group;
   const int64_t first_unit = blockIdx.x / kCtas, unit_stride = gridDim.x / kCtas;
-  wgmma::Slot<kStages> slot;
+  wgmma::Slot<kStagesOf<OutT>> slot;
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<wgmma::kProducerRegisters>();
