@@ -20,7 +20,12 @@ Bytes moved = what the op reads + what it writes, at the sizes of its arrays (bf
   nvfp4 amax                `quant_mx.nvfp4_global_scale`: x read
   nvfp4->bf16               codes and scales read, bf16 values written
 
-The copy ceiling of an H200 is about 4.3 TB/s (read + write).
+Ceilings, XLA's own fusions in the same harness (one row each, impl "xla"), for what the memory system gives to
+these access patterns on the machine at hand:
+
+  xla_copy                  x + 1 in bf16: x read, the same bytes written
+  xla_read                  the largest |x|: x read, nothing but the result written
+  xla_e4m3                  x cast to E4M3 (no scale): x read, one byte per value written
 
   python bench/bench_quant.py [--m 16384] [--k 7168] [--ops mxfp8 nvfp4 ...] [--out DIR]
 """
@@ -40,7 +45,8 @@ from common import int_in, positive_int, time_per_call, write_result  # noqa: E4
 from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
 OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4",
-       "nvfp4_amax", "nvfp4_dequant")
+       "nvfp4_amax", "nvfp4_dequant", "xla_copy", "xla_read", "xla_e4m3")
+CEILINGS = ("xla_copy", "xla_read", "xla_e4m3")
 _LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
            "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16",
            "weight": "weight", "weight_t": "weight+T"}
@@ -73,6 +79,11 @@ def _op(name: str, m: int, k: int, groups: int):
   if name == "mxfp8_dequant":
     return (lambda q, sf, impl: quant_mx.dequantize_mxfp8(q, sf, dtype=jnp.bfloat16, impl=impl),
             mk + mk // 32 + 2 * mk, lambda x: quant_mx.quantize_mxfp8(x, impl="reference"))
+  if name in CEILINGS:
+    fn = {"xla_copy": lambda x: x + jnp.bfloat16(1), "xla_read": lambda x: jnp.max(jnp.abs(x)),
+          "xla_e4m3": lambda x: x.astype(jnp.float8_e4m3fn)}[name]
+    written = {"xla_copy": 2 * mk, "xla_read": 0, "xla_e4m3": mk}[name]
+    return lambda x, impl: fn(x), 2 * mk + written, same
   nv_out = mk // 2 + mk // 16
   if name == "nvfp4_gs":
     return (lambda x, gs, impl: quant_mx.quantize_nvfp4(x, global_scale=gs, impl=impl), 2 * mk + nv_out,
@@ -114,7 +125,7 @@ def main(argv=None) -> int:
       flat = [tuple(a for operands in xs for a in operands) for xs in op_sets]
       arity = len(op_sets[0][0])
       fns = {impl: jax.jit(lambda *a, impl=impl: [fn(*a[i:i + arity], impl=impl) for i in range(0, len(a), arity)])
-             for impl in ("ffi", "reference")}
+             for impl in (("xla",) if name in CEILINGS else ("ffi", "reference"))}
       for repeat in range(args.repeats):
         for impl, f in fns.items():
           t = time_per_call(f, flat, calls_per_run=args.calls, runs=args.runs, warmup=10)

@@ -300,11 +300,13 @@ def test_a_result_of_a_dirty_checkout_is_labelled_uncommitted(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
-def test_bench_quant_times_every_op_on_both_implementations(tmp_path):
+def test_bench_quant_times_every_op_on_both_implementations_and_the_xla_ceilings(tmp_path):
   bench_quant = _import_bench("bench_quant")
   assert bench_quant.main(["--m", "256", "--k", "256", "--groups", "4", "--calls", "2", "--runs", "2", "--repeats", "1",
                            "--out", str(tmp_path)]) == 0
   (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
   rows = json.loads(path.read_text())["rows"]
-  assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in bench_quant.OPS for impl in ("ffi", "reference")}
+  ops = [op for op in bench_quant.OPS if op not in bench_quant.CEILINGS]
+  assert {(r["op"], r["impl"]) for r in rows} == ({(op, impl) for op in ops for impl in ("ffi", "reference")}
+                                                  | {(op, "xla") for op in bench_quant.CEILINGS})
   assert all(r["gb_per_s"] > 0 and r["bytes"] > 256 * 256 for r in rows)
