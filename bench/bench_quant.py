@@ -49,7 +49,8 @@ OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", 
 CEILINGS = ("xla_copy", "xla_read", "xla_e4m3")
 _LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
            "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16",
-           "weight": "weight", "weight_t": "weight+T"}
+           "weight": "weight", "weight_t": "weight+T", "xla_copy": "xla copy", "xla_read": "xla read",
+           "xla_e4m3": "xla e4m3"}
 
 
 def _op(name: str, m: int, k: int, groups: int):
