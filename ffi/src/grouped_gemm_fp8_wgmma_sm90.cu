@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t raw_shared[];
   auto& s = wgmma::AlignedShared<SharedStorage>(raw_shared);
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = wgmma::WarpgroupIndex();
   const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
   wgmma::InitRing<kStages, kCtas>(s.full, s.empty, kConsumerWarps);
 

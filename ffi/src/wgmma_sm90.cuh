@@ -160,6 +160,12 @@ __device__ __forceinline__ void Release(uint64_t* empty) {
   }
 }
 
+// The calling thread's warpgroup, as a value the compiler knows to be the same across the warp (lane 0's, by a
+// shuffle), so that what is derived from it (shared-memory addresses, wgmma descriptors) can stay in uniform registers.
+__device__ __forceinline__ int WarpgroupIndex() {
+  return __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 // A position in a ring of kStages stages, and the parity of the round it is in.
 template <int kStages>
 struct Slot {
