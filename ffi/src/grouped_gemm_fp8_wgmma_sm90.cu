@@ -273,9 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (block_row + 64 <= rows_left) {
           if (leader) cute::tma_store_wait<0>();
           wgmma::SyncThreads(1 + consumer, 128);
-          wgmma::StageAccumulators<__nv_bfloat16>(s.d[consumer], layout, acc[w], [](__nv_bfloat16* out, float x, float y) {
-            *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
-          });
+          wgmma::StageAccumulators<__nv_bfloat16>(s.d[consumer], layout, acc[w]);
           cute::tma_store_fence();
           wgmma::SyncThreads(1 + consumer, 128);
           if (leader) {

@@ -91,19 +91,6 @@ struct WgradParams {
   int32_t nb;
 };
 
-template <typename OutT>
-__device__ __forceinline__ void StorePair(OutT* out, float x, float y);
-
-template <>
-__device__ __forceinline__ void StorePair<float>(float* out, float x, float y) {
-  *reinterpret_cast<float2*>(out) = make_float2(x, y);
-}
-
-template <>
-__device__ __forceinline__ void StorePair<__nv_bfloat16>(__nv_bfloat16* out, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
-}
-
 // kPair: a cluster of two CTAs takes the two column blocks 2c and 2c + 1 of one row block of a group; each loads
 // half of the shared A block and multicasts it to both (as in grouped_gemm_fp8_wgmma_sm90.cu).
 template <typename OutT, bool kPair>
@@ -193,8 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool leader = threadIdx.x % 128 == 0;
       if (leader) cute::tma_store_wait<0>();
       wgmma::SyncThreads(1 + consumer, 128);
-      wgmma::StageAccumulators<OutT>(s.d[consumer], layout, acc,
-                                     [](OutT* out, float x, float y) { StorePair(out, x, y); });
+      wgmma::StageAccumulators<OutT>(s.d[consumer], layout, acc);
       cute::tma_store_fence();
       wgmma::SyncThreads(1 + consumer, 128);
       if (leader) {

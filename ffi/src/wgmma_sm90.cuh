@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -206,16 +207,25 @@ struct StagedBlock {
   }
 };
 
-// Every thread of a consumer warpgroup writes its accumulator values (AccumulatorLayout) into the staged block.
-template <typename OutT, typename Pair>
-__device__ __forceinline__ void StageAccumulators(uint8_t* block, const AccumulatorLayout& layout, const float (&acc)[64],
-                                                  Pair store_pair) {
+// Every thread of a consumer warpgroup writes its accumulator values (AccumulatorLayout), as OutT (float or bf16),
+// into the staged block with shared-memory stores (a generic pointer would make them generic stores).
+template <typename OutT>
+__device__ __forceinline__ void StageAccumulators(uint8_t* block, const AccumulatorLayout& layout,
+                                                  const float (&acc)[64]) {
+  static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "float or bf16");
+  const uint32_t base = cute::cast_smem_ptr_to_uint(block);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      store_pair(reinterpret_cast<OutT*>(block + StagedBlock<OutT>::Offset(layout.Row() + 8 * half, 8 * j + layout.Col())),
-                 acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      const uint32_t addr = base + StagedBlock<OutT>::Offset(layout.Row() + 8 * half, 8 * j + layout.Col());
+      const float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+      if constexpr (sizeof(OutT) == 4) {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y));
+      } else {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(x, y);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&pair)));
+      }
     }
   }
 }
