@@ -35,6 +35,9 @@ constexpr int kBlock = 128;  // rows and columns of a tile, tokens of a K block
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kConsumerWarps = 4 * kConsumers;
+// Named barriers 1 and 2 are the consumers' epilogue barriers; 3 and 4 pass the turn to issue wgmma to warpgroup 1
+// and 2 (consumer 0 and 1).
+constexpr int kTurnBarrier = 3;
 constexpr uint32_t kStageBytes = 2 * kBlock * kBlock + 2 * kBlock * sizeof(float);
 constexpr int kSetupThreads = 256;
 
@@ -145,6 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
     const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
     float acc[64], part[64];
+    bool first_turn = true;
     for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
       const int64_t group = unit / units_per_group;
       const int32_t in_group = static_cast<int32_t>(unit % units_per_group);
@@ -155,7 +159,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
       for (int32_t kb = 0; kb < k_blocks; ++kb) {
         Barrier::wait(&s.full[slot.stage], slot.phase);
+        // Wait for the other warpgroup to have issued its previous block (warpgroup 1 goes first), issue, and let it
+        // issue its next.
+        if (consumer == 1 || !first_turn) wgmma::SyncThreads(kTurnBarrier + consumer, 256);
+        first_turn = false;
         wgmma::MmaBlock(s.a[slot.stage] + consumer * wgmma::kHalfBlock, s.b[slot.stage], part);
+        wgmma::ArriveThreads(kTurnBarrier + 1 - consumer, 256);
         const float scale0 = s.a_scale[slot.stage][row_in_tile], scale1 = s.a_scale[slot.stage][row_in_tile + 8];
         float2 col_scale[16];
 #pragma unroll
@@ -188,6 +197,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+    // Warpgroup 1 takes the last turn warpgroup 2 passes it, so that no arrival is left on the barrier.
+    if (consumer == 0 && !first_turn) wgmma::SyncThreads(kTurnBarrier, 256);
   }
   if constexpr (kPair) {
     cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers

@@ -247,6 +247,12 @@ __device__ __forceinline__ void SyncThreads(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// bar.arrive on named barrier `id`: counts the calling threads toward the `threads` a bar.sync on it waits for,
+// without waiting.
+__device__ __forceinline__ void ArriveThreads(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Launches `kernel` (threads a CTA, smem bytes of dynamic shared memory) on `stream` as clusters of two CTAs along x,
 // as many clusters as can be resident at once on the current device (a persistent kernel: more would wait for a
 // whole earlier cluster to finish). The count is cached per device and kernel.
