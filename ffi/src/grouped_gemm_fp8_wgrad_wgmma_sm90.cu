@@ -35,6 +35,9 @@ constexpr int kBlock = 128;  // rows and columns of a tile, tokens of a K block
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kConsumerWarps = 4 * kConsumers;
+// Named barriers 1 and 2 are the consumers' epilogue barriers; 3 and 4 pass the turn to issue wgmma to warpgroup 1
+// and 2 (consumer 0 and 1).
+constexpr int kTurnBarrier = 3;
 constexpr uint32_t kStageBytes = 2 * kBlock * kBlock + 2 * kBlock * sizeof(float);
 constexpr int kSetupThreads = 256;
 
@@ -91,19 +94,6 @@ struct WgradParams {
   int32_t nb;
 };
 
-template <typename OutT>
-__device__ __forceinline__ void StorePair(OutT* out, float x, float y);
-
-template <>
-__device__ __forceinline__ void StorePair<float>(float* out, float x, float y) {
-  *reinterpret_cast<float2*>(out) = make_float2(x, y);
-}
-
-template <>
-__device__ __forceinline__ void StorePair<__nv_bfloat16>(__nv_bfloat16* out, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
-}
-
 // kPair: a cluster of two CTAs takes the two column blocks 2c and 2c + 1 of one row block of a group; each loads
 // half of the shared A block and multicasts it to both (as in grouped_gemm_fp8_wgmma_sm90.cu).
 template <typename OutT, bool kPair>
@@ -116,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t raw_shared[];
   auto& s = wgmma::AlignedShared<SharedStorage<OutT>>(raw_shared);
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = wgmma::WarpgroupIndex();
   const uint32_t rank = kPair ? cute::block_rank_in_cluster() : 0;
   wgmma::InitRing<kStagesOf<OutT>, kCtas>(s.full, s.empty, kConsumerWarps);
 
@@ -157,6 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
     const int row_in_tile = consumer * 64 + layout.Row();  // and row_in_tile + 8
     float acc[64], part[64];
+    bool first_turn = true;
     for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
       const int64_t group = unit / units_per_group;
       const int32_t in_group = static_cast<int32_t>(unit % units_per_group);
@@ -167,7 +158,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
       for (int32_t kb = 0; kb < k_blocks; ++kb) {
         Barrier::wait(&s.full[slot.stage], slot.phase);
+        // Wait for the other warpgroup to have issued its previous block (warpgroup 1 goes first), issue, and let it
+        // issue its next.
+        if (consumer == 1 || !first_turn) wgmma::SyncThreads(kTurnBarrier + consumer, 256);
+        first_turn = false;
         wgmma::MmaBlock(s.a[slot.stage] + consumer * wgmma::kHalfBlock, s.b[slot.stage], part);
+        wgmma::ArriveThreads(kTurnBarrier + 1 - consumer, 256);
         const float scale0 = s.a_scale[slot.stage][row_in_tile], scale1 = s.a_scale[slot.stage][row_in_tile + 8];
         float2 col_scale[16];
 #pragma unroll
@@ -192,8 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool leader = threadIdx.x % 128 == 0;
       if (leader) cute::tma_store_wait<0>();
       wgmma::SyncThreads(1 + consumer, 128);
-      wgmma::StageAccumulators<OutT>(s.d[consumer], layout, acc,
-                                     [](OutT* out, float x, float y) { StorePair(out, x, y); });
+      wgmma::StageAccumulators<OutT>(s.d[consumer], layout, acc);
       cute::tma_store_fence();
       wgmma::SyncThreads(1 + consumer, 128);
       if (leader) {
@@ -201,6 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+    // Warpgroup 1 takes the last turn warpgroup 2 passes it, so that no arrival is left on the barrier.
+    if (consumer == 0 && !first_turn) wgmma::SyncThreads(kTurnBarrier, 256);
   }
   if constexpr (kPair) {
     cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers

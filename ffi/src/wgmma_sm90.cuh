@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -160,6 +161,12 @@ __device__ __forceinline__ void Release(uint64_t* empty) {
   }
 }
 
+// The calling thread's warpgroup, as a value the compiler knows to be the same across the warp (lane 0's, by a
+// shuffle), so that what is derived from it (shared-memory addresses, wgmma descriptors) can stay in uniform registers.
+__device__ __forceinline__ int WarpgroupIndex() {
+  return __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 // A position in a ring of kStages stages, and the parity of the round it is in.
 template <int kStages>
 struct Slot {
@@ -200,16 +207,25 @@ struct StagedBlock {
   }
 };
 
-// Every thread of a consumer warpgroup writes its accumulator values (AccumulatorLayout) into the staged block.
-template <typename OutT, typename Pair>
-__device__ __forceinline__ void StageAccumulators(uint8_t* block, const AccumulatorLayout& layout, const float (&acc)[64],
-                                                  Pair store_pair) {
+// Every thread of a consumer warpgroup writes its accumulator values (AccumulatorLayout), as OutT (float or bf16),
+// into the staged block with shared-memory stores (a generic pointer would make them generic stores).
+template <typename OutT>
+__device__ __forceinline__ void StageAccumulators(uint8_t* block, const AccumulatorLayout& layout,
+                                                  const float (&acc)[64]) {
+  static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "float or bf16");
+  const uint32_t base = cute::cast_smem_ptr_to_uint(block);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      store_pair(reinterpret_cast<OutT*>(block + StagedBlock<OutT>::Offset(layout.Row() + 8 * half, 8 * j + layout.Col())),
-                 acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      const uint32_t addr = base + StagedBlock<OutT>::Offset(layout.Row() + 8 * half, 8 * j + layout.Col());
+      const float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+      if constexpr (sizeof(OutT) == 4) {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y));
+      } else {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(x, y);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&pair)));
+      }
     }
   }
 }
@@ -229,6 +245,12 @@ __device__ __forceinline__ void StoreStaged(const CUtensorMap* map, uint8_t* blo
 // bar.sync on named barrier `id` (1..15) for the `threads` threads that use it.
 __device__ __forceinline__ void SyncThreads(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// bar.arrive on named barrier `id`: counts the calling threads toward the `threads` a bar.sync on it waits for,
+// without waiting.
+__device__ __forceinline__ void ArriveThreads(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Launches `kernel` (threads a CTA, smem bytes of dynamic shared memory) on `stream` as clusters of two CTAs along x,
