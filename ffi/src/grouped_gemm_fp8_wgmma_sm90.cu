@@ -44,9 +44,6 @@ constexpr int kStages = 4;    // 48 KB each, beside the 32 KB of output staging
 constexpr int kConsumers = 2;                       // warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // warpgroup 0 produces
 constexpr int kConsumerWarps = 4 * kConsumers;
-// Named barriers 1 and 2 are the consumers' epilogue barriers; 3 and 4 pass the turn to issue wgmma to warpgroup 1
-// and 2 (consumer 0 and 1).
-constexpr int kTurnBarrier = 3;
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;  // E4M3: one byte an element
 constexpr int kSetupThreads = 256;
 constexpr int kZeroRowsPerBlock = 32;
@@ -207,7 +204,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const wgmma::AccumulatorLayout layout{static_cast<int>(threadIdx.x / 32) % 4, static_cast<int>(threadIdx.x % 32)};
     const int row_in_wave = consumer * 64 + layout.Row();  // and row_in_wave + 8
     float acc[kWaves][64], part[64];
-    bool first_turn = true;
     for (int64_t unit = first_unit; unit < units; unit += unit_stride) {
       const auto [row_block, col_block] = Locate<kCtas>(p, unit, col_units, rank, group);
       const int32_t row_in_group = (row_block - __ldg(p.table.block_start + group)) * kBlockM;
@@ -256,17 +252,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         Barrier::wait(&s.full[slot.stage], slot.phase);
 #pragma unroll
         for (int w = 0; w < kWaves; ++w) {
-          // Wait for the other warpgroup to have issued its previous wave (warpgroup 1 goes first), issue, and
-          // let it issue its next.
-          if (consumer == 1 || !first_turn) wgmma::SyncThreads(kTurnBarrier + consumer, 256);
-          first_turn = false;
           if (active[w]) {
             wgmma::MmaBlock(s.a[slot.stage] + (2 * w + consumer) * wgmma::kHalfBlock, s.b[slot.stage], part);
-            wgmma::ArriveThreads(kTurnBarrier + 1 - consumer, 256);
             cute::warpgroup_wait<0>();
             wgmma::FenceAccumulators(part);
-          } else {
-            wgmma::ArriveThreads(kTurnBarrier + 1 - consumer, 256);
           }
           if (w == kWaves - 1 && layout.lane == 0) wgmma::Release<kCtas>(&s.empty[slot.stage]);
           if (active[w]) Promote(acc[w], part, a[w][0] * b, a[w][1] * b);
@@ -309,8 +298,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
-    // Warpgroup 1 takes the last turn warpgroup 2 passes it, so that no arrival is left on the barrier.
-    if (consumer == 0 && !first_turn) wgmma::SyncThreads(kTurnBarrier, 256);
   }
   if constexpr (kPair) {
     cute::cluster_sync();  // no CTA leaves while its peer may still write its shared memory or signal its barriers
