@@ -39,8 +39,8 @@ size_t GroupedGemmFp8ScratchBytes(int64_t num_groups, int sm_count);
 
 // Enqueues the grouped GEMM on `stream` (the current device must be the stream's). Returns an empty string on
 // success, otherwise what failed. Calls of more than 64 rows per group on average take the kernel that
-// JAX_MOE_A2A_FP8_GEMM_KERNEL names, read at every call: "cutlass" (unset or empty: the default) or "wgmma"
-// (sm90::ChosenFp8Kernels).
+// JAX_MOE_A2A_FP8_GEMM_KERNEL names: "cutlass" (unset or empty: the default) or "wgmma" (sm90::ChosenFp8Kernels,
+// which says when the variable is read).
 std::string LaunchGroupedGemmFp8(cudaStream_t stream, int sm_count, const GroupedGemmFp8Args& args);
 
 // The kernel of grouped_gemm_fp8_wgmma_sm90.cu: its scratch bytes and its launch (any rows per group; 128-row tiles).

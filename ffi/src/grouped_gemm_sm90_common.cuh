@@ -44,8 +44,10 @@ inline std::string CutlassError(const char* what, cutlass::Status status) {
 
 // Whether the FP8 GEMMs take the kernels written on wgmma (grouped_gemm_fp8_wgmma_sm90.cu,
 // grouped_gemm_fp8_wgrad_wgmma_sm90.cu) instead of the CUTLASS ones: JAX_MOE_A2A_FP8_GEMM_KERNEL = "wgmma", or
-// "cutlass" / empty / unset. Read at every call, so that a benchmark can compare both in one process. Returns "" or
-// the error of an unknown name.
+// "cutlass" / empty / unset. Read each time the handler runs, so that a benchmark can compare both in one process
+// (one jitted function for each). XLA records the handler's launches into a CUDA graph and replays them, running the
+// handler again only when it records anew (first run, new buffers), so a change of the variable between two calls
+// of one compiled function need not take effect. Returns "" or the error of an unknown name.
 inline std::string ChosenFp8Kernels(bool* wgmma) {
   constexpr char kEnv[] = "JAX_MOE_A2A_FP8_GEMM_KERNEL";
   const char* name = std::getenv(kEnv);
