@@ -46,7 +46,10 @@ from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
 OPS = ("fp8", "fp8_bmk", "kmajor", "kmajor_fp8", "weight", "weight_t", "mxfp8", "mxfp8_dequant", "nvfp4_gs", "nvfp4",
        "nvfp4_amax", "nvfp4_dequant", "xla_copy", "xla_read", "xla_e4m3")
-CEILINGS = ("xla_copy", "xla_read", "xla_e4m3")
+# The ceilings: XLA's fusion of x and the bytes it writes per value of x.
+_CEILING_OPS = {"xla_copy": (lambda x: x + jnp.bfloat16(1), 2), "xla_read": (lambda x: jnp.max(jnp.abs(x)), 0),
+                "xla_e4m3": (lambda x: x.astype(jnp.float8_e4m3fn), 1)}
+CEILINGS = tuple(_CEILING_OPS)
 _LABELS = {"fp8": "fp8 [M,K/128]", "fp8_bmk": "fp8 [K/128,M]", "mxfp8": "mxfp8", "mxfp8_dequant": "mxfp8->bf16",
            "nvfp4_gs": "nvfp4 gs", "nvfp4": "nvfp4", "nvfp4_amax": "nvfp4 amax", "nvfp4_dequant": "nvfp4->bf16",
            "weight": "weight", "weight_t": "weight+T", "xla_copy": "xla copy", "xla_read": "xla read",
@@ -81,10 +84,8 @@ def _op(name: str, m: int, k: int, groups: int):
     return (lambda q, sf, impl: quant_mx.dequantize_mxfp8(q, sf, dtype=jnp.bfloat16, impl=impl),
             mk + mk // 32 + 2 * mk, lambda x: quant_mx.quantize_mxfp8(x, impl="reference"))
   if name in CEILINGS:
-    fn = {"xla_copy": lambda x: x + jnp.bfloat16(1), "xla_read": lambda x: jnp.max(jnp.abs(x)),
-          "xla_e4m3": lambda x: x.astype(jnp.float8_e4m3fn)}[name]
-    written = {"xla_copy": 2 * mk, "xla_read": 0, "xla_e4m3": mk}[name]
-    return lambda x, impl: fn(x), 2 * mk + written, same
+    fn, written_per_value = _CEILING_OPS[name]
+    return lambda x, impl: fn(x), 2 * mk + written_per_value * mk, same
   nv_out = mk // 2 + mk // 16
   if name == "nvfp4_gs":
     return (lambda x, gs, impl: quant_mx.quantize_nvfp4(x, global_scale=gs, impl=impl), 2 * mk + nv_out,
