@@ -142,6 +142,9 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None)
     record.setdefault("uncommitted", "the checkout had uncommitted changes to tracked files")
   if os.environ.get("XLA_FLAGS"):  # they change what XLA compiles (e.g. autotuning), so they are part of the command
     record["xla_flags"] = os.environ["XLA_FLAGS"]
+  kernel = os.environ.get("JAX_MOE_A2A_FP8_GEMM_KERNEL")
+  if kernel:  # chooses the FP8 GEMM kernels a whole process runs (grouped_gemm_kernels.cuh)
+    record["fp8_gemm_kernel"] = kernel
   path = os.path.join(out_dir, f"{name}_{now.strftime('%Y%m%d-%H%M%S')}.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=1)

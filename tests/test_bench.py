@@ -299,6 +299,17 @@ def test_a_result_of_a_dirty_checkout_is_labelled_uncommitted(tmp_path, monkeypa
   assert os.path.basename(common.write_result("x", {}, str(tmp_path))).startswith("x_")
 
 
+@pytest.mark.parametrize("kernel", [None, "wgmma"])
+def test_a_result_names_the_fp8_gemm_kernel_it_ran_when_one_was_chosen(tmp_path, monkeypatch, kernel):
+  common = _import_bench("common")
+  if kernel is None:
+    monkeypatch.delenv("JAX_MOE_A2A_FP8_GEMM_KERNEL", raising=False)
+  else:
+    monkeypatch.setenv("JAX_MOE_A2A_FP8_GEMM_KERNEL", kernel)
+  rec = json.loads(open(common.write_result("x", {"rows": []}, str(tmp_path)), encoding="utf-8").read())
+  assert rec.get("fp8_gemm_kernel") == kernel
+
+
 @pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
 def test_bench_quant_times_every_op_on_both_implementations_and_the_xla_ceilings(tmp_path):
   bench_quant = _import_bench("bench_quant")
