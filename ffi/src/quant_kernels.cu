@@ -187,9 +187,15 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
 // each thread converts and stores its own pieces. Pieces past n or k are neither loaded nor stored.
 //
 // With kTransposed, the codes are also written as w_q_t [batch, k, n] (n % 16 == 0): each thread's codes go to a
-// shared 128x128 tile, then each thread reads a 16-row x 4-column piece of it as sixteen 4-byte words (a warp reads
-// whole tile rows: no bank conflicts), transposes it in registers with byte permutes, and writes four 16-byte
-// pieces of w_q_t rows. The weights are still read once.
+// shared 128x128 tile, then each thread reads a 16-row x 4-column piece of it as sixteen 4-byte words, transposes it
+// in registers with byte permutes, and writes four 16-byte pieces of w_q_t rows. The 8 lanes of a warp that hold the
+// same 4 columns hold the tile's 8 row pieces, so each of their stores writes a whole 128-byte line of a w_q_t row;
+// the tile's 4-byte words are swizzled by row piece (TileWord) so that those lanes' reads of one column word fall on
+// distinct banks. The weights are still read once.
+// The byte offset in the shared 128x128 code tile of the 4-byte word `word` (0..31) of tile row `row`: words are
+// XORed with 4 x the row's 16-row piece, which keeps each aligned pair of words (a thread's 8-byte store) together.
+__device__ __forceinline__ int TileWord(int row, int word) { return row * kGroup + ((word ^ (((row >> 4) & 7) << 2)) << 2); }
+
 template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __restrict__ w,
                                                                     uint8_t* __restrict__ w_q,
@@ -247,19 +253,20 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
     if (row < n && col < k) StoreBytes<kVec>(dst + row * k + col, bytes);
     if constexpr (kTransposed) {
       const int tile_row = threadIdx.x / kLanes + p * kRowsPerPass, tile_col = (threadIdx.x % kLanes) * kVec;
-      StoreBytes<kVec>(tile + tile_row * kGroup + tile_col, bytes);
+      StoreBytes<kVec>(tile + TileWord(tile_row, tile_col / 4), bytes);
     }
   }
   if (threadIdx.x == 0) w_sf[(batch * gridDim.y + nb) * gridDim.x + kb] = scale;
   if constexpr (kTransposed) {
     __syncthreads();
-    const int c0 = (threadIdx.x % 32) * 4, r0 = (threadIdx.x / 32) * 16;
+    // Lane l of warp w: row piece l % 8, columns 4 (4 w + l / 8) ...
+    const int c0 = (4 * (threadIdx.x / 32) + (threadIdx.x % 32) / 8) * 4, r0 = (threadIdx.x % 8) * 16;
     uint32_t out[4][4];  // [column c0 + j][rows r0 + 4g .. r0 + 4g + 3]
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
       uint32_t a[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const uint32_t*>(tile + (r0 + 4 * g + i) * kGroup + c0);
+      for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const uint32_t*>(tile + TileWord(r0 + 4 * g + i, c0 / 4));
       const uint32_t lo01 = __byte_perm(a[0], a[1], 0x5140), lo23 = __byte_perm(a[2], a[3], 0x5140);
       const uint32_t hi01 = __byte_perm(a[0], a[1], 0x7362), hi23 = __byte_perm(a[2], a[3], 0x7362);
       out[0][g] = __byte_perm(lo01, lo23, 0x5410);
