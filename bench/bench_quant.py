@@ -27,9 +27,10 @@ these access patterns on the machine at hand:
   xla_read                  the largest |x|: x read, nothing but the result written
   xla_e4m3                  x cast to E4M3 (no scale): x read, one byte per value written
 
-On a GPU each row also gives the op's device time per call (its kernels' durations in a profiler trace of one run)
-and the bytes over it. The wall time per call also carries the host's dispatch of each run and the wait for its
-end, spread over the run's calls.
+On a GPU each row also gives the op's device time per call (its kernels' durations in a profiler trace of one run),
+the bytes over it, and the device span per call (first kernel start to last kernel end: the durations plus the gaps
+between kernels). The wall time per call also carries the host's dispatch of each run and the wait for its end,
+spread over the run's calls.
 
   python bench/bench_quant.py [--m 16384] [--k 7168] [--ops mxfp8 nvfp4 ...] [--out DIR]
 """
@@ -44,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_kernels, int_in, positive_int, time_per_call, write_result  # noqa: E402
+from common import device_kernels, int_in, positive_int, span_us, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
@@ -103,13 +104,16 @@ def _op(name: str, m: int, k: int, groups: int):
           nv_out + 2 * mk, lambda x: quant_mx.quantize_nvfp4(x, impl="reference"))
 
 
-def _device_us_per_call(f, args: tuple, calls: int) -> float | None:
-  """Microseconds per call of the GPU kernels of one traced run of `f` (`calls` calls): the kernels' own durations,
-  without the host's dispatch and the wait at the end of a run that the wall time per call carries. None where the
-  backend records no device activity (CPU)."""
-  kernels = device_kernels(f, args)
-  busy = [sum(d for _, _, d in events) for events in kernels.values()]
-  return max(busy) / 1e3 / calls if busy and max(busy) > 0 else None
+def _device_us_per_call(f, args: tuple, calls: int) -> tuple[float | None, float | None]:
+  """Microseconds per call in one traced run of `f` (`calls` calls): the GPU kernels' own durations, and the span
+  from the first kernel's start to the last one's end (the durations plus the gaps between kernels). Neither holds
+  the host's dispatch of the run or the wait at its end, which the wall time per call carries. (None, None) where
+  the backend records no device activity (CPU)."""
+  kernels = [events for events in device_kernels(f, args).values() if events]
+  if not kernels:
+    return None, None
+  busy = max(sum(d for _, _, d in events) for events in kernels)
+  return busy / 1e3 / calls, max(span_us(events) for events in kernels) / calls
 
 
 def main(argv=None) -> int:
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
 
   rows = []
   print(f"{'M':>6} {'K':>6} {'op':>13} {'impl':>9} {'us/call':>9} {'GB/s':>8}   (median per call, wall)"
-        + ("  device us, GB/s (kernel time from a profiler trace)" if jax.default_backend() == "gpu" else ""))
+        + ("  device us, GB/s, span us (profiler trace)" if jax.default_backend() == "gpu" else ""))
   for m in args.m:
     k = args.k
     key = jax.random.key(m)
@@ -147,23 +151,23 @@ def main(argv=None) -> int:
           t = time_per_call(f, flat, calls_per_run=args.calls, runs=args.runs, warmup=10)
           gbps = nbytes / t["median_s"] / 1e9
           row = {"m": m, "k": k, "op": name, "impl": impl, "repeat": repeat, "bytes": nbytes, "gb_per_s": gbps, **t}
-          device_us = _device_us_per_call(f, flat[repeat % len(flat)], args.calls)
+          device_us, span = _device_us_per_call(f, flat[repeat % len(flat)], args.calls)
           if device_us is not None:
-            row["device_us"] = device_us
-            row["device_gb_per_s"] = nbytes / device_us / 1e3
+            row.update(device_us=device_us, device_span_us=span, device_gb_per_s=nbytes / device_us / 1e3)
           if name in ("fp8", "fp8_bmk"):
             row["block_major_k"] = name == "fp8_bmk"
           if name in ("kmajor", "kmajor_fp8"):
             row["grouped_kmajor_groups"] = args.groups
           rows.append(row)
           label = _LABELS.get(name, f"{name} G{args.groups}")
-          device = "" if device_us is None else f" {device_us:>9.1f} {row['device_gb_per_s']:>8.0f}"
+          device = "" if device_us is None else f" {device_us:>9.1f} {row['device_gb_per_s']:>8.0f} {span:>9.1f}"
           print(f"{m:>6} {k:>6} {label:>13} {impl:>9} {t['median_s'] * 1e6:>9.1f} {gbps:>8.0f}{device}", flush=True)
       del op_sets, flat
     del sets
   path = write_result("quant", {"unit": "GB/s (bytes read + written / median time)", "device_unit":
                                  "device_gb_per_s: the same bytes / device_us, the op's kernel time per call from a "
-                                 "profiler trace (GPU only)", "rows": rows}, args.out)
+                                 "profiler trace; device_span_us: first kernel start to last kernel end per call "
+                                 "(GPU only)", "rows": rows}, args.out)
   print("wrote", path)
   return 0
 
