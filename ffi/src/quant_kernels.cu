@@ -181,6 +181,12 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
 // 128x128 weight blocks
 // ---------------------------------------------------------------------------------------------------------------
 
+// The byte offset in the shared 128x128 code tile of the 4-byte word `word` (0..31) of tile row `row`: words are
+// XORed with 4 x the row's 16-row piece, which keeps each aligned pair of words (a thread's 8-byte store) together.
+__device__ __forceinline__ int TileWord(int row, int word) {
+  return row * kGroup + ((word ^ (((row >> 4) & 7) << 2)) << 2);
+}
+
 // One block of kThreads threads per 128x128 tile of w [batch, n, k] (k % (16 / sizeof(T)) == 0): every thread
 // loads its kPasses 16-byte pieces (rows threadIdx.x / kLanes + pass * kRowsPerPass, columns from lane * kVec),
 // the tile's amax and finiteness are reduced over the warp and then over the block through shared memory, and
@@ -192,10 +198,6 @@ cudaError_t Launch(cudaStream_t stream, const void* x, uint8_t* x_q, float* x_sf
 // same 4 columns hold the tile's 8 row pieces, so each of their stores writes a whole 128-byte line of a w_q_t row;
 // the tile's 4-byte words are swizzled by row piece (TileWord) so that those lanes' reads of one column word fall on
 // distinct banks. The weights are still read once.
-// The byte offset in the shared 128x128 code tile of the 4-byte word `word` (0..31) of tile row `row`: words are
-// XORed with 4 x the row's 16-row piece, which keeps each aligned pair of words (a thread's 8-byte store) together.
-__device__ __forceinline__ int TileWord(int row, int word) { return row * kGroup + ((word ^ (((row >> 4) & 7) << 2)) << 2); }
-
 template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __restrict__ w,
                                                                     uint8_t* __restrict__ w_q,
@@ -259,7 +261,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeFp8WeightKernel(const T* __r
   if (threadIdx.x == 0) w_sf[(batch * gridDim.y + nb) * gridDim.x + kb] = scale;
   if constexpr (kTransposed) {
     __syncthreads();
-    // Lane l of warp w: row piece l % 8, columns 4 (4 w + l / 8) ...
+    // Lane l of warp w: the 16-row piece l % 8 of the 4 columns from 4 (4 w + l / 8).
     const int c0 = (4 * (threadIdx.x / 32) + (threadIdx.x % 32) / 8) * 4, r0 = (threadIdx.x % 8) * 16;
     uint32_t out[4][4];  // [column c0 + j][rows r0 + 4g .. r0 + 4g + 3]
 #pragma unroll
