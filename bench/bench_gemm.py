@@ -2,7 +2,10 @@
 
 For each (groups G, rows per group, N, K) -- DeepSeek-V3 expert shapes by default -- and every method, the median
 time of one call (inside a jit of --calls calls over distinct activations, two weight sets rotated between
-runs). TFLOP/s = 2 * real rows * N * K / time; every group has exactly `rows` real rows here.
+runs). TFLOP/s = 2 * real rows * N * K / time; every group has exactly `rows` real rows here. On a GPU each row
+also gives the device time per call (the method's kernels' durations in a profiler trace of one run, setup
+kernels included) and the TFLOP/s over it: the wall time per call also carries the host's dispatch of each run
+and the wait for its end, shared by only --calls calls.
 
 Methods:
   fp8_contiguous   jax_moe_a2a_grouped_gemm_fp8, rows sorted by group [G*rows, K]
@@ -42,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_if_possible, positive_int, save_plot, time_per_call, write_result  # noqa: E402
+from common import (device_time_per_call, plot_if_possible, positive_int, save_plot, time_per_call,  # noqa: E402
+                    write_result)
 
 from jax_moe_a2a import grouped_gemm, quant  # noqa: E402
 
@@ -160,6 +164,9 @@ def _time_calls(method, g, rows, n, k, sets, sizes, calls, max_runs, mgpu_config
   runs = int(min(max_runs, max(5, 1.0 / max(once, 1e-6))))  # about a second of timed runs, at least 5
   t = time_per_call(fn, sets, calls_per_run=calls, warmup=2, runs=runs)
   t["first_call_s"] = first
+  device_us, span = device_time_per_call(fn, sets[0], calls)
+  if device_us is not None:
+    t.update(device_us=device_us, device_span_us=span)
   return t
 
 
@@ -242,7 +249,8 @@ def main(argv=None) -> int:
 
 
 def _run(args, results, checks, failed):
-  print(f"{'N':>5} {'K':>5} {'G':>3} {'rows':>5} {'method':>17} {'us':>9} {'TFLOP/s':>8} {'first s':>8}")
+  print(f"{'N':>5} {'K':>5} {'G':>3} {'rows':>5} {'method':>17} {'us':>9} {'TFLOP/s':>8} {'first s':>8}"
+        + (f" {'device us':>9} {'TFLOP/s':>8}" if jax.default_backend() == "gpu" else ""))
   for shape in args.shapes:
     n, k = (int(v) for v in shape.split("x"))
     for g in args.groups:
@@ -271,10 +279,12 @@ def _run(args, results, checks, failed):
             continue
           t, cfg = best
           tflops = flops / t["median_s"] / 1e12
+          device = {} if "device_us" not in t else {"device_tflops": flops / t["device_us"] / 1e6}
           results.append({"n": n, "k": k, "groups": g, "rows_per_group": rows, "method": method, "tflops": tflops,
-                          "flops": flops, **({"mgpu_config": cfg} if cfg else {}), **t})
+                          "flops": flops, **({"mgpu_config": cfg} if cfg else {}), **t, **device})
           print(f"{n:>5} {k:>5} {g:>3} {rows:>5} {method:>17} {t['median_s'] * 1e6:>9.1f} {tflops:>8.1f} "
-                f"{t['first_call_s']:>8.1f}", flush=True)
+                f"{t['first_call_s']:>8.1f}" + (f" {t['device_us']:>9.1f} {device['device_tflops']:>8.1f}"
+                                                 if device else ""), flush=True)
         del sets
 
 

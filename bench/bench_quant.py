@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_kernels, int_in, positive_int, span_us, time_per_call, write_result  # noqa: E402
+from common import device_time_per_call, int_in, positive_int, time_per_call, write_result  # noqa: E402
 
 from jax_moe_a2a import quant, quant_mx  # noqa: E402
 
@@ -104,18 +104,6 @@ def _op(name: str, m: int, k: int, groups: int):
           nv_out + 2 * mk, lambda x: quant_mx.quantize_nvfp4(x, impl="reference"))
 
 
-def _device_us_per_call(f, args: tuple, calls: int) -> tuple[float | None, float | None]:
-  """Microseconds per call in one traced run of `f` (`calls` calls): the GPU kernels' own durations, and the span
-  from the first kernel's start to the last one's end (the durations plus the gaps between kernels). Neither holds
-  the host's dispatch of the run or the wait at its end, which the wall time per call carries. (None, None) where
-  the backend records no device activity (CPU)."""
-  kernels = [events for events in device_kernels(f, args).values() if events]
-  if not kernels:
-    return None, None
-  busy = max(sum(d for _, _, d in events) for events in kernels)
-  return busy / 1e3 / calls, max(span_us(events) for events in kernels) / calls
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=positive_int, nargs="+", default=[1024, 4096, 16384], help="rows (tokens)")
@@ -151,7 +139,7 @@ def main(argv=None) -> int:
           t = time_per_call(f, flat, calls_per_run=args.calls, runs=args.runs, warmup=10)
           gbps = nbytes / t["median_s"] / 1e9
           row = {"m": m, "k": k, "op": name, "impl": impl, "repeat": repeat, "bytes": nbytes, "gb_per_s": gbps, **t}
-          device_us, span = _device_us_per_call(f, flat[repeat % len(flat)], args.calls)
+          device_us, span = device_time_per_call(f, flat[repeat % len(flat)], args.calls)
           if device_us is not None:
             row.update(device_us=device_us, device_span_us=span, device_gb_per_s=nbytes / device_us / 1e3)
           if name in ("fp8", "fp8_bmk"):

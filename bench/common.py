@@ -209,6 +209,19 @@ def device_kernels(fn: Callable[..., Any], args: tuple, *, runs: int = 2) -> Ker
   return out
 
 
+def device_time_per_call(fn: Callable[..., Any], args: tuple, calls: int) -> tuple[float | None, float | None]:
+  """Microseconds per call in one traced run of `fn(*args)` that makes `calls` calls: the GPU kernels' own
+  durations (the slowest device's sum), and the span from the first kernel's start to the last one's end (the
+  durations plus the gaps between kernels). Neither holds the host's dispatch of the run or the wait at its end,
+  which a wall time per call (`time_per_call`) carries. (None, None) where the backend records no device activity
+  (CPU)."""
+  kernels = [events for events in device_kernels(fn, args).values() if events]
+  if not kernels:
+    return None, None
+  busy = max(sum(d for _, _, d in events) for events in kernels)
+  return busy / 1e3 / calls, max(span_us(events) for events in kernels) / calls
+
+
 def span_us(events: list[tuple[str, int, int]]) -> float:
   """Microseconds from the first kernel's start to the last kernel's end (events sorted by start)."""
   return (max(s + d for _, s, d in events) - events[0][1]) / 1e3
