@@ -4,7 +4,8 @@
 #   bash bench/gpu_verify.sh tests   the custom calls' GPU test files, and beside them (CPU, 8 simulated devices)
 #                                    the layer's test files on this machine's jax
 #   bash bench/gpu_verify.sh layer_tests   the layer's test files on the GPU (training, wire formats, Flax, ...)
-#   bash bench/gpu_verify.sh bench   bench quant (the quantizers beside their references), the notebook on the
+#   bash bench/gpu_verify.sh bench   bench quant (the quantizers beside their references and XLA's memory
+#                                    ceilings, wall and device time, at 16384 x 7168), the notebook on the
 #                                    GPU, the layer at 128 tokens beside its Flax forms, the four wire formats at 4096
 #   bash bench/gpu_verify.sh fp8     the FP8 recipe at 4096 tokens beside the einsum baseline (--check, 2
 #                                    micro-batches)
@@ -40,7 +41,8 @@ case "$part" in
     ;;
   bench)
     TESTS=none BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash "$here/gpu_session.sh" \
-      "quant --m 4096 16384 --ops kmajor kmajor_fp8 weight weight_t mxfp8 mxfp8_dequant nvfp4_gs nvfp4 nvfp4_dequant" \
+      "quant --m 16384 --ops kmajor kmajor_fp8 weight weight_t mxfp8 mxfp8_dequant nvfp4_gs nvfp4 nvfp4_dequant \
+xla_copy xla_read xla_e4m3" \
       "notebook" \
       "layer --tokens 128 --variants bf16 bf16_ws fp8_stored_ws nnx_call_ws nnx_jit_ws nnx_jit_apply_ws linen_jit_ws --modes fwd --no-stages" \
       "layer --tokens 4096 --variants fp8_ws --wire-formats bf16 fp8_blockwise mxfp8 nvfp4 --modes fwd --check --no-stages"
