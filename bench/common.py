@@ -215,11 +215,11 @@ def device_time_per_call(fn: Callable[..., Any], args: tuple, calls: int) -> tup
   durations plus the gaps between kernels). Neither holds the host's dispatch of the run or the wait at its end,
   which a wall time per call (`time_per_call`) carries. (None, None) where the backend records no device activity
   (CPU)."""
-  kernels = [events for events in device_kernels(fn, args).values() if events]
-  if not kernels:
+  kernels = device_kernels(fn, args)
+  busy = kernel_busy_us(kernels, "", calls)  # every kernel's name holds ""
+  if busy is None:
     return None, None
-  busy = max(sum(d for _, _, d in events) for events in kernels)
-  return busy / 1e3 / calls, max(span_us(events) for events in kernels) / calls
+  return busy, max(span_us(events) for events in kernels.values() if events) / calls
 
 
 def span_us(events: list[tuple[str, int, int]]) -> float:
