@@ -11,8 +11,8 @@ Custom calls. The expert GEMMs follow ``config.impl`` (``"auto"``: the grouped-G
 extension has handlers). The exchange follows the layer's ``workspace`` argument:
 
 - ``"auto"`` (default): the one-sided dispatch/combine custom calls on GPUs (when ``config.impl`` resolves to
-  ``"ffi"`` and the extension has its CUDA handlers), the reference's collectives elsewhere; ``config.impl="ffi"``
-  takes the one-sided calls on any platform.
+  ``"ffi"``, the extension has its CUDA handlers and ``config.dtype`` is one they combine: bfloat16 or float32),
+  the reference's collectives elsewhere; ``config.impl="ffi"`` takes the one-sided calls on any platform.
 - ``"on"``: the one-sided calls on any platform that has handlers (CPU included); ``"off"`` (or None): the
   reference's collectives always.
 - a `Workspace`: that one (it must fit every call: `moe.make_workspace`).
@@ -51,7 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_moe_a2a import _ffi, expert_mlp, moe
-from jax_moe_a2a.workspace import Workspace
+from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace
 
 WORKSPACE_MODES = ("auto", "on", "off")
 WorkspaceArg = Union[str, Workspace]
@@ -105,7 +105,8 @@ def _layer_workspace(op: str, workspace: WorkspaceArg, config: moe.MoEConfig, me
     return workspace
   if workspace in (None, "off") or _ffi.resolve_impl("MoE", config.impl) != "ffi":
     return None
-  if workspace == "auto" and config.impl != "ffi" and not (_ffi.with_cuda() and _on_gpus(mesh)):
+  if workspace == "auto" and config.impl != "ffi" and not (
+      _ffi.with_cuda() and _on_gpus(mesh) and jnp.dtype(config.dtype) in COMBINE_DTYPES):
     return None
   abstract = mesh
   mesh = moe.mesh_with_devices(abstract)

@@ -56,7 +56,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moe_a2a import _ffi, a2a, expert_mlp, experts, layout, ordering, quant, routing, wire
 from jax_moe_a2a.two_level import combine_two_level
-from jax_moe_a2a.workspace import Workspace, groups_span_domains
+from jax_moe_a2a.workspace import COMBINE_DTYPES, Workspace, groups_span_domains
 
 # Mesh axis names of the default layout: tokens over (data, expert), experts over expert.
 DATA_AXIS = "data"
@@ -480,6 +480,7 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = Non
   op = "init_params"
   if not isinstance(config, MoEConfig):
     raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  _check_key(op, key)
   mesh = resolve_mesh(op, mesh)
   mesh_axis_sizes(op, config, mesh)
   shardings = {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
@@ -487,6 +488,23 @@ def init_params(key: jax.Array, config: MoEConfig, mesh: Optional[AnyMesh] = Non
   # Inside an outer jit the inner jit's out_shardings constrain the values but do not enter their types, where the
   # sharding over Explicit axes lives: reshard puts it there (outside jit the arrays have it already).
   return {name: _on_explicit_axes(v, shardings[name]) for name, v in values.items()}
+
+
+def _check_key(op: str, key: Any) -> None:
+  """A PRNG key: a typed key array (``jax.random.key``) or a raw ``uint32[2]`` one (``jax.random.PRNGKey``)."""
+  dtype, shape = getattr(key, "dtype", None), tuple(getattr(key, "shape", ()))
+  if dtype is None:
+    got = type(key).__name__
+  elif jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if not shape:
+      return
+    got = f"{dtype}{list(shape)}"
+  else:
+    if jnp.dtype(dtype) == jnp.dtype(jnp.uint32) and shape == (2,):
+      return
+    got = f"{jnp.dtype(dtype).name}{list(shape)}"
+  raise TypeError(f"{op}: key must be one PRNG key (jax.random.key(seed), or uint32[2] from jax.random.PRNGKey), "
+                  f"got {got}")
 
 
 def _check_params(op: str, params: Any, config: MoEConfig) -> None:
@@ -726,6 +744,22 @@ def _on_explicit_axes(x: Any, sharding: NamedSharding) -> Any:
   return jax.sharding.reshard(x, NamedSharding(mesh, P(*want)))
 
 
+def _params_in_layer_sharding(params: Mapping[str, Any], config: MoEConfig, mesh: AnyMesh) -> dict[str, Any]:
+  """params resharded to `param_specs` on the Explicit axes of `mesh` (`_on_explicit_axes`): arrays from a
+  checkpoint or the host, or replicated ones, are laid out as the layer takes them."""
+  specs = param_specs(config)
+  return {name: _on_explicit_axes(v, NamedSharding(mesh, specs[name])) for name, v in params.items()}
+
+
+def _replicated_on_explicit_axes(x: Any) -> Any:
+  """x with none of its dimensions sharded over Explicit mesh axes (a single-device computation's gathers and
+  scatters need whole dimensions); x as it is when its mesh has no Explicit axes."""
+  mesh = jax.typeof(x).sharding.mesh
+  if jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+    return x
+  return _on_explicit_axes(x, NamedSharding(mesh, P()))
+
+
 def _x_in_layer_sharding(x: Any, config: MoEConfig, mesh: AnyMesh) -> Any:
   """x resharded to the layer's ``P(token_axes, None, ...)`` on the Explicit axes of `mesh` (`_on_explicit_axes`)."""
   return _on_explicit_axes(x, NamedSharding(mesh, P(config.token_axes or None, *([None] * (x.ndim - 1)))))
@@ -787,7 +821,10 @@ def moe_apply(params: Mapping[str, jax.Array], x: jax.Array, config: MoEConfig, 
   _check_x(op, x, config, sizes)
   if quantized_experts is not None:
     _check_quantized_experts(op, quantized_experts, params, config)
-  return _moe_apply(dict(params), _x_in_layer_sharding(x, config, mesh), config, mesh, workspace, quantized_experts)
+    spec = NamedSharding(mesh, param_specs(config)["w_gate_up"])  # every form has the experts first
+    quantized_experts = jax.tree.map(lambda v: _on_explicit_axes(v, spec), quantized_experts)
+  return _moe_apply(_params_in_layer_sharding(params, config, mesh), _x_in_layer_sharding(x, config, mesh), config,
+                    mesh, workspace, quantized_experts)
 
 
 def _check_float_fp8_experts(op: str, config: MoEConfig) -> None:
@@ -831,6 +868,7 @@ def quantize_experts(params: Mapping[str, jax.Array], config: MoEConfig,
   mesh = resolve_mesh(op, mesh)
   mesh_axis_sizes(op, config, mesh)
   _check_params(op, params, config)
+  params = _params_in_layer_sharding({name: params[name] for name in ("w_gate_up", "w_down")}, config, mesh)
   return _quantize_experts(params["w_gate_up"], params["w_down"], config, mesh)
 
 
@@ -854,23 +892,36 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
   mesh None: the mesh set with ``jax.set_mesh``. Create it outside `jax.jit` (it is memory on the mesh's devices;
   while tracing the mesh of ``jax.set_mesh`` is abstract and refused) and close it when done.
   """
-  mesh = resolve_mesh("make_workspace", mesh)
+  op = "make_workspace"
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"{op}: config must be a MoEConfig, got {type(config).__name__}")
+  if jnp.dtype(config.dtype) not in COMBINE_DTYPES:
+    raise ValueError(f"{op}: the one-sided exchange combines bfloat16 or float32 rows, got config.dtype "
+                     f"{jnp.dtype(config.dtype).name}; run the layer without a workspace (XLA's all_to_all) or "
+                     f"with dtype bfloat16 or float32")
+  if isinstance(num_tokens, (bool, np.bool_)) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
+    raise ValueError(f"{op}: num_tokens must be a positive int (the layer's global token count), got {num_tokens!r}")
+  mesh = resolve_mesh(op, mesh)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"make_workspace: mesh must be a jax.sharding.Mesh (the workspace is memory on its devices), got "
                      f"the AbstractMesh {_mesh_text(mesh)} (inside jax.jit, jax.grad and the like, the mesh of "
                      f"jax.set_mesh has no devices); make the workspace outside jit and pass it in")
-  mesh_axis_sizes("make_workspace", config, mesh)
+  mesh_axis_sizes(op, config, mesh)
   sizes = dict(mesh.shape)
   shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))
-  capacity = num_tokens // shards
   if config.sequence_parallel:
-    capacity //= sizes[config.tp_axis]
+    shards *= sizes[config.tp_axis]
+  if num_tokens % shards:
+    raise ValueError(f"{op}: num_tokens must be divisible by the {shards} shards the layer splits tokens into "
+                     f"(token axes {config.token_axes}{' and tp' if config.sequence_parallel else ''}), "
+                     f"got {num_tokens}")
+  capacity = int(num_tokens) // shards
   two_level = uses_two_level(config, mesh)
   if two_level:  # the local dispatch takes the rows of every node
     capacity *= sizes[config.expert_axes[0]]
-  return Workspace(mesh, expert_axis=_workspace_axis(config, two_level), capacity=max(capacity, 1),
-                   hidden=config.hidden, top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype,
-                   timeout_s=timeout_s, training=training)
+  return Workspace(mesh, expert_axis=_workspace_axis(config, two_level), capacity=capacity, hidden=config.hidden,
+                   top_k=config.top_k, fmt=config.wire_format, combine_dtype=config.dtype, timeout_s=timeout_s,
+                   training=training)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -888,8 +939,8 @@ def moe_dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
   compute dtype play no part. Differentiable.
 
   Args:
-    params: as for `moe_apply` (any sharding; the computation gathers what it needs).
-    x: [num_tokens, hidden] or [batch, seq, hidden] floating.
+    params: as for `moe_apply`, in any sharding (over Explicit mesh axes they are gathered first).
+    x: [num_tokens, hidden] or [batch, seq, hidden] floating, in any sharding.
     config: the layer.
 
   Returns:
@@ -903,6 +954,34 @@ def moe_dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
   if getattr(x, "ndim", 0) not in (2, 3) or x.shape[-1] != config.hidden:
     raise ValueError(f"{op}: x must be [num_tokens, hidden={config.hidden}] or [batch, seq, hidden], "
                      f"got shape {tuple(getattr(x, 'shape', ()))}")
+  mesh = _explicit_mesh(list(params.values()) + [x])
+  if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+    return _dense_reference(params, x, config)
+  return _dense_reference_on(dict(params), x, config, mesh.abstract_mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _dense_reference_on(params, x, config: MoEConfig, mesh: AbstractMesh):
+  """`_dense_reference` with `mesh` as the context mesh, so that the arrays it makes (zeros, iotas) live on the
+  inputs' mesh, as operations between them need; jitted, so that this holds eagerly and under jax.grad too, where
+  `jax.set_mesh` cannot be entered."""
+  with jax.sharding.use_abstract_mesh(mesh):
+    return _dense_reference(params, x, config)
+
+
+def _explicit_mesh(values: list[Any]) -> Optional[AbstractMesh]:
+  """The mesh with Explicit axes that one of `values` is typed on, or None."""
+  for v in values:
+    mesh = jax.typeof(v).sharding.mesh
+    if jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()):
+      return mesh
+  return None
+
+
+def _dense_reference(params: Mapping[str, jax.Array], x: jax.Array,
+                     config: MoEConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+  params = {name: _replicated_on_explicit_axes(v) for name, v in params.items()}
+  x = _replicated_on_explicit_axes(x)
   f32 = jnp.float32
   with jax.default_matmul_precision("highest"):
     xs = x.reshape(-1, config.hidden).astype(f32)

@@ -2,7 +2,8 @@
 
 Workspace arguments are refused in Python before the extension sees them; NumPy integers in a MoEConfig become
 Python ints (bools are not ints); the command line's numeric options are usage errors (exit status 2); and
-`moe_apply` reshards an x that is not in the layer's sharding, Explicit mesh axes included.
+`moe_apply` and `quantize_experts` reshard an x and params that are not in the layer's sharding, Explicit mesh axes
+included, where the dense oracle gathers them.
 """
 
 import importlib
@@ -236,6 +237,7 @@ def _explicit_layer(axis_types):
   params = moe.init_params(jax.random.key(0), config, mesh)
   x = jax.random.normal(jax.random.key(1), (32, 128), jnp.float32)
   apply = lambda p, x: moe.moe_apply(p, x, config, mesh)
+  apply.config = config
   return mesh, params, x, apply
 
 
@@ -256,6 +258,89 @@ def test_moe_apply_reshards_x_on_a_mesh_of_auto_and_explicit_axes():
   want = np.asarray(apply(params, jax.device_put(x, NamedSharding(mesh, P((moe.DATA_AXIS, moe.EXPERT_AXIS)))))[0])
   y = jax.jit(apply)(params, x)[0]  # not committed to the mesh
   np.testing.assert_array_equal(np.asarray(y), want)
+
+
+@pytest.mark.parametrize("num_tokens,message", [
+    (0, "make_workspace: num_tokens must be a positive int (the layer's global token count), got 0"),
+    (-8, "make_workspace: num_tokens must be a positive int (the layer's global token count), got -8"),
+    (32.0, "make_workspace: num_tokens must be a positive int (the layer's global token count), got 32.0"),
+    (True, "make_workspace: num_tokens must be a positive int (the layer's global token count), got True"),
+    (30, "make_workspace: num_tokens must be divisible by the 8 shards the layer splits tokens into (token axes "
+         "('data', 'expert')), got 30"),
+])
+def test_make_workspace_num_tokens(num_tokens, message):
+  mesh = jax.make_mesh((2, 4), (moe.DATA_AXIS, moe.EXPERT_AXIS), axis_types=(AxisType.Auto,) * 2, devices=devices(8))
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=128, ffn=128)
+  with _raises(ValueError, message):
+    moe.make_workspace(config, mesh, num_tokens)
+
+
+def test_make_workspace_counts_the_tp_shards_of_sequence_parallelism():
+  mesh = jax.make_mesh((2, 4), ("data", "tp"), axis_types=(AxisType.Auto,) * 2, devices=devices(8))
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=128, ffn=128, token_axes=("data",), expert_axis=("data", "tp"),
+                         tp_axis="tp", sequence_parallel=True)
+  with _raises(ValueError, "make_workspace: num_tokens must be divisible by the 8 shards the layer splits tokens into "
+                           "(token axes ('data',) and tp), got 4"):
+    moe.make_workspace(config, mesh, 4)
+
+
+def test_make_workspace_refuses_a_dtype_the_one_sided_calls_do_not_combine():
+  mesh = jax.make_mesh((2, 4), (moe.DATA_AXIS, moe.EXPERT_AXIS), axis_types=(AxisType.Auto,) * 2, devices=devices(8))
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=128, ffn=128, dtype=jnp.float16)
+  with _raises(ValueError, "make_workspace: the one-sided exchange combines bfloat16 or float32 rows, got "
+                           "config.dtype float16; run the layer without a workspace (XLA's all_to_all) or with dtype "
+                           "bfloat16 or float32"):
+    moe.make_workspace(config, mesh, 32)
+
+
+@pytest.mark.parametrize("key,got", [(lambda: 0, "int"), (lambda: np.uint32(7), "uint32[]"),
+                                     (lambda: jnp.zeros((4,), jnp.uint32), "uint32[4]"),
+                                     (lambda: jax.random.split(jax.random.key(0), 2), "key<fry>[2]")])
+def test_init_params_refuses_what_is_not_one_prng_key(key, got):
+  key = key()
+  mesh = jax.make_mesh((2, 4), (moe.DATA_AXIS, moe.EXPERT_AXIS), axis_types=(AxisType.Auto,) * 2, devices=devices(8))
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=128, ffn=128)
+  with _raises(TypeError, "init_params: key must be one PRNG key (jax.random.key(seed), or uint32[2] from "
+                          f"jax.random.PRNGKey), got {got}"):
+    moe.init_params(key, config, mesh)
+  assert moe.init_params(jax.random.PRNGKey(0), config, mesh)["router"].shape == (128, 8)  # a raw key is one
+
+
+def test_moe_apply_and_quantize_experts_reshard_params_on_explicit_axes():
+  """Params as a checkpoint or the host gives them (NumPy, or replicated on the mesh) are laid out as the layer
+  takes them over Explicit axes, as over Auto ones; so are the FP8 forms of quantize_experts."""
+  mesh, params, x, apply = _explicit_layer((AxisType.Explicit,) * 2)
+  want = np.asarray(apply(params, x)[0])
+  host = {name: np.asarray(v) for name, v in params.items()}
+  replicated = {name: jax.device_put(v, NamedSharding(mesh, P())) for name, v in params.items()}
+  for name, p in [("host", host), ("replicated", replicated)]:
+    np.testing.assert_array_equal(np.asarray(apply(p, x)[0]), want, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(jax.jit(apply)(p, x)[0]), want, err_msg=name + ", traced")
+  config = moe.MoEConfig(num_experts=8, top_k=2, hidden=128, ffn=128, dtype=jnp.float32, impl="reference",
+                         expert_precision="fp8")
+  fp8_params = moe.init_params(jax.random.key(0), config, mesh)
+  fp8_host = {name: np.asarray(v) for name, v in fp8_params.items()}
+  q = moe.quantize_experts(fp8_host, config, mesh)
+  want = np.asarray(moe.moe_apply(fp8_params, x, config, mesh)[0])
+  q_host = jax.tree.map(np.asarray, q)
+  np.testing.assert_array_equal(np.asarray(moe.moe_apply(fp8_host, x, config, mesh, quantized_experts=q_host)[0]),
+                                want)
+
+
+@pytest.mark.parametrize("axis_types", [(AxisType.Explicit,) * 2, (AxisType.Auto, AxisType.Explicit)])
+def test_the_dense_oracle_takes_params_and_x_sharded_over_explicit_axes(axis_types):
+  mesh, params, x, apply = _explicit_layer(axis_types)
+  host = {name: jnp.asarray(np.asarray(v)) for name, v in params.items()}
+  want = np.asarray(moe.moe_dense_reference(host, x, apply.config)[0])
+  x_sharded = jax.device_put(x, NamedSharding(mesh, P((moe.DATA_AXIS, moe.EXPERT_AXIS))))
+  oracle = lambda p, x: moe.moe_dense_reference(p, x, apply.config)[0]
+  for name, fn in [("eager", oracle), ("traced", jax.jit(oracle))]:
+    np.testing.assert_allclose(np.asarray(fn(params, x_sharded)), want, rtol=1e-6, atol=1e-6, err_msg=name)
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(oracle(p, x_sharded) ** 2)))(params)
+  want_grads = jax.grad(lambda p: jnp.sum(oracle(p, x) ** 2))(host)
+  for name in params:
+    np.testing.assert_allclose(np.asarray(grads[name]), np.asarray(want_grads[name]), rtol=1e-4, atol=1e-4,
+                               err_msg=name)
 
 
 def test_a_one_sided_backward_that_xla_cpu_would_crash_on_is_refused(monkeypatch):

@@ -409,3 +409,27 @@ def test_gpu_fast_calls_take_the_one_sided_calls_with_moe_apply_bits(monkeypatch
   for name, (y, aux) in got.items():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref), err_msg=name)
     np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(aux_ref["expert_load"]), err_msg=name)
+
+
+@pytest.mark.skipif(not _ffi.available(), reason="compiled extension not built")
+def test_workspace_auto_keeps_the_collectives_for_a_dtype_the_one_sided_calls_do_not_combine(monkeypatch):
+  """The one-sided calls combine bfloat16 and float32 rows: on GPUs (made to look present here) "auto" takes them
+  for float32 and the reference's collectives for float16, and "on" refuses float16 by name."""
+  skip_without_one_sided_backward()
+  monkeypatch.delenv(_ffi.ENV_IMPL, raising=False)
+  monkeypatch.setattr(_ffi, "with_cuda", lambda: True)
+  monkeypatch.setattr(flax_moe, "_on_gpus", lambda mesh: True)
+  config, mesh, x = _setup()
+  config = dataclasses.replace(config, impl="auto")
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="auto")
+  assert _one_sided_calls(lambda x: layer(x)[0], x) == 1
+  config = dataclasses.replace(config, dtype=jnp.float16)
+  x = x.astype(jnp.float16)
+  layer = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="auto")
+  assert _one_sided_calls(lambda x: layer(x)[0], x) == 0
+  want = flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="off")(x)[0]
+  np.testing.assert_array_equal(np.asarray(layer(x)[0]), np.asarray(want))
+  with pytest.raises(ValueError, match="make_workspace: the one-sided exchange combines bfloat16 or float32 rows, "
+                                       "got config.dtype float16"):
+    flax_moe.MoE(config=config, mesh=mesh, rngs=nnx.Rngs(params=0), workspace="on")(x)
+  flax_moe.close_workspaces()
