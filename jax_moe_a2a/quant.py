@@ -660,7 +660,8 @@ def dequantize(x_q: jax.Array, x_sf: Optional[jax.Array], fmt: str, *, global_sc
                dtype: Any = jnp.float32, **kwargs: Any) -> jax.Array:
   """Inverse of `quantize`: `[M, K] dtype` from the `(x_q, x_sf, global_scale)` of wire format `fmt`.
 
-  `kwargs` go to the format's dequantizer (`block_major_k`, `mx_alignment`).
+  `kwargs` go to the format's dequantizer (`block_major_k`; `mx_alignment`; `impl` for mxfp8 and nvfp4, whose
+  dequantizers are custom calls; bf16 and fp8_blockwise are a cast and a multiply that XLA fuses).
   """
   # Type and shape checks
   op = "dequantize"
@@ -675,11 +676,14 @@ def dequantize(x_q: jax.Array, x_sf: Optional[jax.Array], fmt: str, *, global_sc
     check_dtype(op, "x_q", x_q, jnp.bfloat16)
     return x_q.astype(check_out_dtype(op, dtype))
   if fmt == layout.FP8_BLOCKWISE:
+    if "impl" in kwargs:
+      raise TypeError(f"{op}: {fmt} has no custom call to choose (its dequantization is a multiply XLA fuses): "
+                      f"impl is for mxfp8 and nvfp4, got impl={kwargs['impl']!r}")
     return dequantize_fp8_blockwise(x_q, x_sf, dtype=dtype, **kwargs)
   if fmt == layout.MXFP8:
     return dequantize_mxfp8(x_q, x_sf, dtype=dtype, **kwargs)
-  if kwargs:
-    raise TypeError(f"{op}: {fmt} takes no options, got {sorted(kwargs)}")
+  if set(kwargs) - {"impl"}:
+    raise TypeError(f"{op}: {fmt} takes only the option impl, got {sorted(kwargs)}")
   if global_scale is None:
     raise ValueError(f"{op}: global_scale must be given for {fmt}, got None")
-  return dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype)
+  return dequantize_nvfp4(x_q, x_sf, global_scale, dtype=dtype, **kwargs)

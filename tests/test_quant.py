@@ -1,5 +1,7 @@
 """Quantization formats: bit-exact NumPy references, error bounds, layouts, non-finite groups and errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -657,6 +659,26 @@ def test_quantize_dequantize_dispatch(fmt):
   else:
     err = np.linalg.norm(deq - xf) / np.linalg.norm(xf)
     assert err < (0.15 if fmt == layout.NVFP4 else 0.04)
+
+
+@pytest.mark.parametrize("fmt", [layout.MXFP8, layout.NVFP4])
+def test_dequantize_dispatch_passes_impl_on(fmt):
+  x = jnp.asarray(_nv_input(4, 256), jnp.bfloat16)
+  x_q, x_sf, gs = quant.quantize(x, fmt, impl="reference")
+  want = np.asarray(quant.dequantize(x_q, x_sf, fmt, global_scale=gs))
+  got = np.asarray(quant.dequantize(x_q, x_sf, fmt, global_scale=gs, impl="reference"))
+  np.testing.assert_array_equal(got, want)
+
+
+def test_dequantize_dispatch_refuses_impl_where_no_custom_call_is_chosen():
+  x_q, x_sf, _ = quant.quantize(jnp.ones((2, 128), jnp.bfloat16), layout.FP8_BLOCKWISE)
+  with pytest.raises(TypeError, match=re.escape(
+      "dequantize: fp8_blockwise has no custom call to choose (its dequantization is a multiply XLA fuses): impl is "
+      "for mxfp8 and nvfp4, got impl='ffi'")):
+    quant.dequantize(x_q, x_sf, layout.FP8_BLOCKWISE, impl="ffi")
+  with pytest.raises(TypeError, match=re.escape("dequantize: nvfp4 takes only the option impl, got ['block_major_k']")):
+    quant.dequantize(jnp.zeros((2, 64), jnp.uint8), jnp.zeros((2, 8), jnp.float8_e4m3fn), layout.NVFP4,
+                     global_scale=jnp.float32(1.0), block_major_k=True)
 
 
 def test_dispatch_errors():
