@@ -180,7 +180,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> moe.MoEConfig:
   op = "config_from_hf"
   model_type = _model_type(op, hf)
   keys = _Keys(hf, model_type, op)
-  keys.one_of("hidden_act", ("silu",), "the experts are SwiGLU MLPs")
+  keys.one_of("hidden_act", ("silu", "swish"), "the experts are SwiGLU MLPs; transformers runs both as SiLU")
   _check_quantization(op, hf)
   experts_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts",
                  "glm4_moe": "n_routed_experts"}.get(model_type, "num_experts")
@@ -209,6 +209,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> moe.MoEConfig:
       raise ValueError(f"{op}: 'n_group' must divide {experts_key!r} ({num_experts}), got {n_group}")
     if topk_group > n_group:
       raise ValueError(f"{op}: 'topk_group' must be <= 'n_group' ({n_group}), got {topk_group}")
+    if num_experts // n_group < 2:
+      raise ValueError(f"{op}: 'n_group' must leave at least 2 experts a group (transformers scores a group by its "
+                       f"2 best experts), got {n_group} groups of {num_experts // n_group}")
     if top_k > topk_group * (num_experts // n_group):
       raise ValueError(f"{op}: 'num_experts_per_tok' must be <= 'topk_group' x experts per group "
                        f"({topk_group} x {num_experts // n_group}), got {top_k}")
@@ -240,6 +243,7 @@ def _dense_reason(hf: Mapping[str, Any], model_type: str, layer: int) -> Optiona
       return f"its layers below 'first_k_dense_replace' ({first}) are dense"
   elif model_type in ("qwen2_moe", "qwen3_moe"):
     dense = keys.raw("mlp_only_layers")
+    dense = [] if dense is None else dense  # as transformers' class reads None
     step = keys.int("decoder_sparse_step")
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
       raise ValueError(f"load_hf_layer: 'mlp_only_layers' must be a list of ints, got {dense!r}")
@@ -259,6 +263,12 @@ _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 # Scale dtypes whose values float32 holds exactly.
 _SCALE_DTYPES = (np.dtype("float32"), np.dtype("float16"), np.dtype(ml_dtypes.bfloat16))
 _SCALE_SUFFIX = "_scale_inv"
+
+
+# The model types whose router weight transformers keeps in float32 whatever the model's dtype
+# (`_keep_in_fp32_modules_strict`): under a narrower param_dtype, one stored in another dtype would be rounded here
+# and not there.
+_FLOAT32_ROUTERS = ("deepseek_v3", "glm4_moe")
 
 
 def _dtype_of(v: Any):
@@ -349,6 +359,13 @@ class _Layer:
     c, mt = self.config, self.model_type
     h, e, f = c.hidden, c.num_experts, c.ffn
     self.fp8 = {"router": self._linear("gate", (e, h))}
+    if mt in _FLOAT32_ROUTERS and not self.fp8["router"]:
+      key = self.prefix + "gate.weight"
+      stored, pd = np.dtype(_dtype_of(self._tensor(key))), np.dtype(c.param_dtype)
+      if pd != np.dtype(np.float32) and stored != pd:
+        raise ValueError(f"{self.op}: transformers keeps the {mt} router {key!r} in float32; stored as {stored.name}, "
+                         f"it would be rounded to param_dtype {pd.name} and route tokens otherwise: load with "
+                         f"param_dtype float32, or from a checkpoint that stores it as {pd.name}")
     if c.router_kind == routing.DEEPSEEK_V3:
       key = self.prefix + "gate.e_score_correction_bias"
       self._check_weight(key, self._tensor(key), (e,))

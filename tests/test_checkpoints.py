@@ -6,6 +6,7 @@ computes from the same tensors. Config keys are read as transformers' classes re
 themselves), FP8 checkpoints keep their bits, and a checkpoint directory loads one layer onto a mesh."""
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -252,6 +253,19 @@ def test_settings_the_layer_does_not_run_are_refused_naming_the_key(model_type, 
     checkpoints.config_from_hf({**HF_CONFIGS[model_type], **change})
 
 
+def test_a_deepseek_config_with_groups_of_one_expert_is_refused():
+  # transformers scores each group by its 2 best experts (topk(2)), which a group of one does not have.
+  with pytest.raises(ValueError, match=r"'n_group' must leave at least 2 experts a group \(transformers scores a group "
+                                       r"by its 2 best experts\), got 16 groups of 1"):
+    checkpoints.config_from_hf({**HF_CONFIGS["deepseek_v3"], "n_group": 16, "topk_group": 4})
+
+
+def test_settings_transformers_reads_as_others_are_read_so():
+  assert checkpoints.config_from_hf({**HF_CONFIGS["mixtral"], "hidden_act": "swish"}).num_experts == E  # SiLU
+  qwen = {**HF_CONFIGS["qwen3_moe"], "mlp_only_layers": None}  # transformers' class reads None as []
+  assert checkpoints._dense_reason(qwen, "qwen3_moe", 2) is None  # pylint: disable=protected-access
+
+
 def test_an_fp8_quantization_config_is_accepted():
   q = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
   assert checkpoints.config_from_hf({**HF_CONFIGS["deepseek_v3"], "quantization_config": q,
@@ -327,6 +341,25 @@ def test_tensors_that_are_not_float_weights_are_refused(dtype):
   with pytest.raises(ValueError, match=rf"'{key}' must be a float weight .*, got {np.dtype(dtype).name}"):
     checkpoints.params_from_hf(tensors, checkpoints.config_from_hf(HF_CONFIGS["qwen3_moe"]), model_type="qwen3_moe",
                                prefix=p)
+
+
+@pytest.mark.parametrize("model_type", SIGMOID_ROUTERS)
+def test_a_router_transformers_keeps_in_float32_is_not_rounded_to_a_narrower_param_dtype(model_type):
+  p = PREFIX[model_type]
+  tensors = _tensors(model_type, np.random.default_rng(5))
+  config = checkpoints.config_from_hf(HF_CONFIGS[model_type], param_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match=re.escape(
+      f"transformers keeps the {model_type} router '{p}gate.weight' in float32; stored as float32, it would be rounded "
+      f"to param_dtype bfloat16 and route tokens otherwise: load with param_dtype float32, or from a checkpoint that "
+      f"stores it as bfloat16")):
+    checkpoints.params_from_hf(tensors, config, model_type=model_type, prefix=p)
+  tensors[p + "gate.weight"] = tensors[p + "gate.weight"].astype(ml_dtypes.bfloat16)  # held exactly: taken
+  params = checkpoints.params_from_hf(tensors, config, model_type=model_type, prefix=p)
+  np.testing.assert_array_equal(params["router"], tensors[p + "gate.weight"].T)
+  config = checkpoints.config_from_hf(HF_CONFIGS[model_type], param_dtype=jnp.float32)
+  tensors[p + "gate.weight"] = tensors[p + "gate.weight"].astype(np.float64)  # float32, as transformers holds it
+  params = checkpoints.params_from_hf(tensors, config, model_type=model_type, prefix=p)
+  np.testing.assert_array_equal(params["router"], tensors[p + "gate.weight"].T.astype(np.float32))
 
 
 def test_float_tensors_are_cast_once():
