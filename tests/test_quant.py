@@ -668,6 +668,8 @@ def test_dequantize_dispatch_passes_impl_on(fmt):
   want = np.asarray(quant.dequantize(x_q, x_sf, fmt, global_scale=gs))
   got = np.asarray(quant.dequantize(x_q, x_sf, fmt, global_scale=gs, impl="reference"))
   np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=f"dequantize_{fmt}: impl must be one of auto, ffi, reference, got 'gpu'"):
+    quant.dequantize(x_q, x_sf, fmt, global_scale=gs, impl="gpu")  # the format's own dequantizer reads it
 
 
 def test_dequantize_dispatch_refuses_impl_where_no_custom_call_is_chosen():
