@@ -637,6 +637,11 @@ def _body(params, x, quantized, *, config: MoEConfig, workspace: Optional[Worksp
   return y.reshape(x_shape), aux["load_balance_loss"], aux["expert_load"]
 
 
+def _token_shards(config: MoEConfig, sizes: Mapping[str, int]) -> int:
+  """How many shards the layer splits x's leading dimension into: the product of the token axes' sizes."""
+  return int(np.prod([sizes[a] for a in config.token_axes]))
+
+
 def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{op}: x must be an array [num_tokens, hidden] or [batch, seq, hidden], got {type(x).__name__}")
@@ -645,7 +650,7 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
                      f"got shape {tuple(x.shape)}")
   if jnp.dtype(x.dtype) not in _COMPUTE_DTYPES:
     raise ValueError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
-  shards = int(np.prod([sizes[a] for a in config.token_axes]))
+  shards = _token_shards(config, sizes)
   lead = "num_tokens" if x.ndim == 2 else "batch"
   if x.shape[0] % shards:
     raise ValueError(f"{op}: x's {lead} must be divisible by the token sharding {config.token_axes} ({shards} "
@@ -908,7 +913,7 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
                      f"jax.set_mesh has no devices); make the workspace outside jit and pass it in")
   mesh_axis_sizes(op, config, mesh)
   sizes = dict(mesh.shape)
-  shards = int(np.prod([sizes[a] for a in (config.token_axes or ())]))
+  shards = _token_shards(config, sizes)
   if config.sequence_parallel:
     shards *= sizes[config.tp_axis]
   if num_tokens % shards:
