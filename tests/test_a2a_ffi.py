@@ -690,3 +690,43 @@ def test_moe_training_gradients_with_a_workspace_equal_the_reference(wire_format
       else:
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
                                    atol=1e-2 * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
+
+
+@pytest.mark.parametrize("wire_format", ["bf16", "fp8_blockwise"])
+def test_layers_under_lax_scan_share_a_workspace_as_an_unrolled_loop_does(wire_format):
+  """Layers stacked along a leading axis and applied in a `lax.scan` (the usual way to compile a deep model once)
+  call the one-sided dispatch and combine of one workspace in every iteration, forward and backward: the loss and
+  every gradient equal the unrolled loop's over the same layers, bit for bit on CPU."""
+  skip_without_one_sided_backward()
+  from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
+  n = len(jax.devices())
+  data = 2 if n >= 4 else 1
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(data, n // data), ("data", "expert"))
+  cfg = moe.MoEConfig(num_experts=4 * (n // data), top_k=3, hidden=256, ffn=128, wire_format=wire_format,
+                      token_axes=("data", "expert"), expert_axis="expert", dtype=jnp.float32, impl="ffi")
+  layers = [moe.init_params(jax.random.key(i), cfg, mesh) for i in range(3)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  x = jax.device_put(jax.random.normal(jax.random.key(9), (8 * n, 256), jnp.float32),
+                     NamedSharding(mesh, P(("data", "expert"))))
+  with moe.make_workspace(cfg, mesh, 8 * n) as ws:
+    layer = lambda p, x: x + moe.moe_apply(p, x, cfg, mesh, workspace=ws)[0]
+
+    def unrolled(ps, x):
+      for p in ps:
+        x = layer(p, x)
+      return jnp.sum(x ** 2)
+
+    def scanned(ps, x):
+      return jnp.sum(jax.lax.scan(lambda x, p: (layer(p, x), None), x, ps)[0] ** 2)
+
+    text = str(jax.make_jaxpr(jax.grad(scanned))(stacked, x))
+    assert "jax_moe_a2a_dispatch" in text and "jax_moe_a2a_combine" in text
+    want = jax.jit(jax.value_and_grad(unrolled, argnums=(0, 1)))(layers, x)
+    got = jax.jit(jax.value_and_grad(scanned, argnums=(0, 1)))(stacked, x)
+    ws.check()
+  want = (want[0], (jax.tree.map(lambda *a: jnp.stack(a), *want[1][0]), want[1][1]))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if jax.devices()[0].platform == "cpu":
+      np.testing.assert_array_equal(_bits(a), _bits(b))
+    else:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
