@@ -729,4 +729,5 @@ def test_layers_under_lax_scan_share_a_workspace_as_an_unrolled_loop_does(wire_f
     if jax.devices()[0].platform == "cpu":
       np.testing.assert_array_equal(_bits(a), _bits(b))
     else:
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+      # XLA:GPU may fuse the scan's body apart from the unrolled layers: float32 rounding apart.
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * float(jnp.max(jnp.abs(b))))
