@@ -692,11 +692,12 @@ def test_moe_training_gradients_with_a_workspace_equal_the_reference(wire_format
                                    atol=1e-2 * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
 
 
-@pytest.mark.parametrize("wire_format", ["bf16", "fp8_blockwise"])
-def test_layers_under_lax_scan_share_a_workspace_as_an_unrolled_loop_does(wire_format):
+@pytest.mark.parametrize("wire_format,remat", [("bf16", False), ("fp8_blockwise", True)])
+def test_layers_under_lax_scan_share_a_workspace_as_an_unrolled_loop_does(wire_format, remat):
   """Layers stacked along a leading axis and applied in a `lax.scan` (the usual way to compile a deep model once)
   call the one-sided dispatch and combine of one workspace in every iteration, forward and backward: the loss and
-  every gradient equal the unrolled loop's over the same layers, bit for bit on CPU."""
+  every gradient equal the unrolled loop's over the same layers, bit for bit on CPU. With `remat` each layer is
+  under `jax.checkpoint` saving nothing, so the backward runs every layer's dispatch and combine a second time."""
   skip_without_one_sided_backward()
   from jax_moe_a2a import moe  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
@@ -716,11 +717,15 @@ def test_layers_under_lax_scan_share_a_workspace_as_an_unrolled_loop_does(wire_f
         x = layer(p, x)
       return jnp.sum(x ** 2)
 
+    body = lambda x, p: (layer(p, x), None)
+    if remat:
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+
     def scanned(ps, x):
-      return jnp.sum(jax.lax.scan(lambda x, p: (layer(p, x), None), x, ps)[0] ** 2)
+      return jnp.sum(jax.lax.scan(body, x, ps)[0] ** 2)
 
     text = str(jax.make_jaxpr(jax.grad(scanned))(stacked, x))
-    assert "jax_moe_a2a_dispatch" in text and "jax_moe_a2a_combine" in text
+    assert "jax_moe_a2a_dispatch" in text and "jax_moe_a2a_combine" in text and ("remat" in text) == remat
     want = jax.jit(jax.value_and_grad(unrolled, argnums=(0, 1)))(layers, x)
     got = jax.jit(jax.value_and_grad(scanned, argnums=(0, 1)))(stacked, x)
     ws.check()
