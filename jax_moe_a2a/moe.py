@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.extend
@@ -356,6 +356,11 @@ def _workspace_axis(config: MoEConfig, two_level: bool):
   return config.expert_axes[1] if two_level else config.expert_axis
 
 
+def _axes_size(axes: Sequence[str], sizes: Mapping[str, int]) -> int:
+  """How many devices `axes` of a mesh with axis `sizes` span: the product of their sizes (1 for no axis)."""
+  return int(np.prod([sizes[a] for a in axes]))
+
+
 def mesh_axis_sizes(op: str, config: MoEConfig, mesh: AnyMesh) -> dict[str, int]:
   """Checks that every axis the config names exists; returns the mesh's axis sizes."""
   if not isinstance(mesh, (Mesh, AbstractMesh)):
@@ -367,7 +372,7 @@ def mesh_axis_sizes(op: str, config: MoEConfig, mesh: AnyMesh) -> dict[str, int]
   for field, a in named:
     if a not in sizes:
       raise ValueError(f"{op}: {field} must name axes of the mesh {tuple(sizes)}, got {a!r}")
-  num_ranks = int(np.prod([sizes[a] for a in config.expert_axes]))
+  num_ranks = _axes_size(config.expert_axes, sizes)
   if config.num_experts % num_ranks:
     raise ValueError(f"{op}: num_experts must be divisible by the size of expert_axis {config.expert_axis!r} "
                      f"({num_ranks}), got {config.num_experts}")
@@ -637,11 +642,6 @@ def _body(params, x, quantized, *, config: MoEConfig, workspace: Optional[Worksp
   return y.reshape(x_shape), aux["load_balance_loss"], aux["expert_load"]
 
 
-def _token_shards(config: MoEConfig, sizes: Mapping[str, int]) -> int:
-  """How many shards the layer splits x's leading dimension into: the product of the token axes' sizes."""
-  return int(np.prod([sizes[a] for a in config.token_axes]))
-
-
 def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{op}: x must be an array [num_tokens, hidden] or [batch, seq, hidden], got {type(x).__name__}")
@@ -650,7 +650,7 @@ def _check_x(op: str, x: Any, config: MoEConfig, sizes: dict[str, int]) -> None:
                      f"got shape {tuple(x.shape)}")
   if jnp.dtype(x.dtype) not in _COMPUTE_DTYPES:
     raise ValueError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
-  shards = _token_shards(config, sizes)
+  shards = _axes_size(config.token_axes, sizes)
   lead = "num_tokens" if x.ndim == 2 else "batch"
   if x.shape[0] % shards:
     raise ValueError(f"{op}: x's {lead} must be divisible by the token sharding {config.token_axes} ({shards} "
@@ -911,11 +911,8 @@ def make_workspace(config: MoEConfig, mesh: Optional[Mesh], num_tokens: int, *, 
     raise ValueError(f"make_workspace: mesh must be a jax.sharding.Mesh (the workspace is memory on its devices), got "
                      f"the AbstractMesh {_mesh_text(mesh)} (inside jax.jit, jax.grad and the like, the mesh of "
                      f"jax.set_mesh has no devices); make the workspace outside jit and pass it in")
-  mesh_axis_sizes(op, config, mesh)
-  sizes = dict(mesh.shape)
-  shards = _token_shards(config, sizes)
-  if config.sequence_parallel:
-    shards *= sizes[config.tp_axis]
+  sizes = mesh_axis_sizes(op, config, mesh)
+  shards = _axes_size(config.stat_axes, sizes)  # under sequence parallelism tp splits the tokens too
   if num_tokens % shards:
     raise ValueError(f"{op}: num_tokens must be divisible by the {shards} shards the layer splits tokens into "
                      f"(token axes {config.token_axes}{' and tp' if config.sequence_parallel else ''}), "
